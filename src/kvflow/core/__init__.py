@@ -1,0 +1,1 @@
+"""The engine's core: requests, KV block accounting and scheduling. Standard library only."""

@@ -1,0 +1,77 @@
+"""Plain data that crosses the scheduler -> runner -> scheduler boundary (ints and lists only).
+
+New requests are sent whole once; afterwards only diffs (new blocks, the computed counter).
+A preempted request is sent whole again when it resumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after preemption
+    sampling_params: Any
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    num_preemptions: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token: its own (with rank) and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    # req_id -> sampled token ids this step (empty list while a prompt is still being chunked).
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> message, for requests whose step failed alone (e.g. non-finite logits).
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,238 @@
+"""Continuous batching under one token budget: chunked prefill, prefix caching, preemption.
+
+Each step closes the gap between `num_computed_tokens` and `num_tokens` for as many requests as
+the budget allows: running requests first (oldest first), then waiting ones in FCFS order.
+Prefill chunks and decodes share the step. When blocks run out, the newest running request is
+preempted (its blocks freed, recomputed later). The oldest request is never preempted while a
+younger one holds blocks, and admission guarantees it fits alone, so every request finishes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+
+from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvflow.core.request import Request, RequestStatus
+
+
+def _arrival(req: Request) -> int:
+    return req.arrival_seq
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig) -> None:
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival: running[-1] is the preemption victim
+        self._runner_blocks: dict[str, int] = {}  # requests the runner knows -> blocks it was sent
+        self._forget: set[str] = set()  # finished/preempted since the last step: runner drops them
+        self.head_blocked_on_kv = False
+        self.num_preemptions_total = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Admit a request, or raise ValueError if it could never be served (liveness point 2).
+
+        `max_tokens` is clamped to the rest of the context, so the request fits alone.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not 0 < request.num_prompt_tokens < self.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens does not fit: it must be between "
+                f"1 and max_model_len - 1 = {self.max_model_len - 1} tokens"
+            )
+        request.max_tokens = min(request.max_tokens, self.max_model_len - request.num_prompt_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's tokens. Returns what the runner computes; request state is updated
+        (blocks held, counters) only by `update_from_output` and the preemptions done here."""
+        budget = self.config.max_num_batched_tokens
+        num_tokens: dict[str, int] = {}
+        preempted: list[Request] = []
+        budget = self._schedule_running(budget, num_tokens, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, num_tokens)
+        self.num_preemptions_total += len(preempted)
+        return self._make_output(num_tokens, len(preempted))
+
+    def _schedule_running(
+        self, budget: int, num_tokens: dict[str, int], preempted: list[Request]
+    ) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running[-1]  # the newest; never older than `req`
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    return budget
+            num_tokens[req.request_id] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, num_tokens: dict[str, int]) -> None:
+        self.head_blocked_on_kv = False
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                self.head_blocked_on_kv = True
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.monotonic()
+            bisect.insort(self.running, req, key=_arrival)
+            num_tokens[req.request_id] = n
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-mode preemption: free every block, reset the counter, back to the queue head."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        del self._runner_blocks[req.request_id]
+        self._forget.add(req.request_id)
+
+    def _make_output(self, num_tokens: dict[str, int], num_preemptions: int) -> SchedulerOutput:
+        new_reqs, cached_reqs = [], []
+        for req_id in num_tokens:
+            req = self.requests[req_id]
+            block_ids = self.kv.get_block_ids(req_id)
+            known = self._runner_blocks.get(req_id)
+            if known is not None:
+                cached_reqs.append(
+                    CachedRequestData(req_id, block_ids[known:], req.num_computed_tokens)
+                )
+            else:
+                self._forget.discard(req_id)
+                new_reqs.append(
+                    NewRequestData(
+                        req_id,
+                        req.prompt_token_ids,
+                        list(req.output_token_ids),
+                        req.sampling_params,
+                        block_ids,
+                        req.num_computed_tokens,
+                    )
+                )
+            self._runner_blocks[req_id] = len(block_ids)
+        forget, self._forget = self._forget, set()
+        return SchedulerOutput(
+            new_reqs, cached_reqs, num_tokens, sum(num_tokens.values()), forget, num_preemptions
+        )
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance counters, append sampled tokens, apply stop conditions, free finished requests."""
+        outputs = []
+        for req_id, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            req.num_computed_tokens += n
+            if req_id in result.failed:
+                outputs.extend(
+                    self.finish_requests(
+                        [req_id], RequestStatus.FINISHED_ERROR, result.failed[req_id]
+                    )
+                )
+                continue
+            new_ids = []
+            for token in result.sampled_token_ids.get(req_id, ()):
+                req.output_token_ids.append(token)
+                new_ids.append(token)
+                if self._check_stop(req, token):
+                    break
+            if not new_ids:
+                continue
+            out = EngineCoreOutput(
+                req_id,
+                new_ids,
+                result.logprobs.get(req_id),
+                num_cached_tokens=req.num_cached_tokens,
+            )
+            if req.is_finished:
+                self._free(req)
+                out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        enough = req.num_output_tokens >= req.min_tokens
+        if enough and token == req.eos_token_id and not req.ignore_eos:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif enough and token in req.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return req.is_finished
+
+    def finish_requests(
+        self, req_ids, status: RequestStatus, error: str | None = None
+    ) -> list[EngineCoreOutput]:
+        """End requests from outside the step (abort, stop string, error). Unknown ids are
+        ignored. Returns one terminal output per request that was still live."""
+        outputs = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status != RequestStatus.RUNNING:
+                self.waiting.remove(req)
+            req.status, req.error = status, error
+            self._free(req)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [],
+                    finish_reason=req.finish_reason,
+                    error=error,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def _free(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        if self._runner_blocks.pop(req.request_id, None) is not None:
+            self._forget.add(req.request_id)

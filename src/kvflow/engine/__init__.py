@@ -1,0 +1,1 @@
+"""Engine: the step loop, output processing and the offline / async front ends."""

@@ -1,0 +1,397 @@
+"""AsyncEngine: an LLMEngine driven by one background thread, one asyncio queue per request.
+
+    event loop (server)                              engine thread
+    add_request() ─ _Add ─► inbox ─(Condition)─► engine.add_request / abort / step()
+    RequestStream ◄─ loop.call_soon_threadsafe ◄─ delta RequestOutputs
+                                                  stat_logger.record(IterationStats)
+
+Only plain data crosses the boundary (commands in, RequestOutputs and stats out), so the loop
+can later move into its own process. The thread sleeps on the Condition whenever the engine has
+no unfinished request and the inbox is empty: no polling, no periodic wake-ups. Every request
+that was admitted gets exactly one terminal output, whatever happens (finish, abort, shutdown,
+engine death).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvflow.engine.async_stats import StatLogger, StatsTracker, StepWatchdog
+from kvflow.engine.engine_core import EngineStats
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvflow.engine")
+
+_TERMINAL_GRACE_S = 5.0  # how long shutdown waits for consumers to read their terminal output
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine admits no new request now (shutting down, or the queue is full)."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; nothing more can run."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    arrival: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: list[str] | None  # None: every live request
+
+
+def terminal_output(
+    request_id: str,
+    n: int,
+    reason: str,
+    error: str | None = None,
+    prompt_ids: list[int] | None = None,
+) -> RequestOutput:
+    """A finished output with no new tokens, for requests ended outside the engine's step."""
+    outs = [CompletionOutput(i, "", [], finish_reason=reason) for i in range(n)]
+    metrics = {"error": error} if error else {}
+    return RequestOutput(request_id, None, prompt_ids or [], outs, True, metrics=metrics)
+
+
+class RequestStream:
+    """The outputs of one request, in order; iteration ends after the terminal output.
+    `abort()` (or leaving the iteration early through `AsyncEngine.generate`) frees its blocks."""
+
+    def __init__(self, request_id: str, n: int, release: Callable[[str, bool], None]) -> None:
+        self.request_id = request_id
+        self.n = n
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._release = release
+        self.finished = False
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put_nowait(output)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        if output.finished:
+            self.finished = True
+            self._release(self.request_id, False)
+        return output
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._release(self.request_id, True)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        stat_logger: StatLogger | None = None,
+        max_num_queued_reqs: int | None = None,
+        watchdog_timeout: float = 0.0,
+    ) -> None:
+        self.engine = engine
+        self.stat_logger = stat_logger
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.watchdog_timeout = watchdog_timeout
+        self._cond = threading.Condition()
+        self._inbox: list[_Add | _Abort] = []
+        self._stopping = False
+        self._pending_adds = 0
+        self._latest = engine.stats()
+        self._tracker = StatsTracker(self._latest)  # engine thread only
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._watchdog: StepWatchdog | None = None
+        self._accepting = True
+        self.dead_error: str | None = None
+        self._released = asyncio.Event()
+        self._dead = asyncio.Event()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._released.set()
+        self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=False)
+        self._thread.start()
+        if self.watchdog_timeout > 0:
+            self._watchdog = StepWatchdog(self.watchdog_timeout)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Stop admitting; drain up to `timeout` s (0: none); abort the rest; stop the thread.
+
+        Every consumer gets a terminal output before this returns (or after a short grace
+        if it does not read it)."""
+        self._accepting = False
+        if timeout > 0:
+            await self._wait_released(timeout)
+        if self._streams and self._thread_alive():
+            self._post(_Abort(None))
+            await self._wait_released(_TERMINAL_GRACE_S)
+        await asyncio.to_thread(self.close)
+        for stream in list(self._streams.values()):
+            stream.put(terminal_output(stream.request_id, stream.n, "abort"))
+        await self._wait_released(_TERMINAL_GRACE_S)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread (aborting whatever still runs) and join it. Idempotent;
+        needs no event loop."""
+        self._accepting = False
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        threads = [self._thread] if self._thread is not None else []
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self._watchdog is not None:
+            threads.append(self._watchdog.stop(timeout))
+        for thread in threads:
+            if thread.is_alive():
+                logger.error("%s did not stop within %.0f s", thread.name, timeout)
+
+    def threads_alive(self) -> bool:
+        watchdog = self._watchdog is not None and self._watchdog.alive
+        return self._thread_alive() or watchdog
+
+    async def wait_dead(self) -> str:
+        await self._dead.wait()
+        return self.dead_error or "engine failed"
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.dead_error is None
+
+    @property
+    def stalled(self) -> bool:
+        return self._watchdog is not None and self._watchdog.stalled
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.accepting and self._thread_alive() and not self.stalled
+
+    def stats(self) -> EngineStats:
+        return self._latest
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raises ValueError (vLLM's wording) for a request that could never be served."""
+        return self.engine.validate(prompt_token_ids, params)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request. Raises ValueError, EngineUnavailableError or
+        EngineDeadError before anything is queued."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if not self._accepting or self._loop is None:
+            raise EngineUnavailableError("The server is shutting down.")
+        params = self.engine.validate(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        with self._cond:
+            limit = self.max_num_queued_reqs
+            if limit is not None and self._latest.num_waiting + self._pending_adds >= limit:
+                raise EngineUnavailableError(
+                    f"The request queue is full ({limit} requests waiting, "
+                    "--max-num-queued-reqs). Retry later.",
+                    retry_after=1,
+                )
+            self._pending_adds += 1
+            self._inbox.append(
+                _Add(request_id, list(prompt_token_ids), params, prompt, time.monotonic())
+            )
+            self._cond.notify()
+        stream = RequestStream(request_id, params.n, self._release)
+        self._streams[request_id] = stream
+        self._released.clear()
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one request; closing or cancelling the iteration aborts it."""
+        stream = self.add_request(request_id, prompt_token_ids, params, prompt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.abort()
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort and self._thread_alive():
+            self._post(_Abort([request_id]))
+        if not self._streams:
+            self._released.set()
+
+    def _post(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify()
+
+    async def _wait_released(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._released.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+
+    def _dispatch_dead(self, error: str) -> None:
+        for stream in list(self._streams.values()):
+            stream.put(terminal_output(stream.request_id, stream.n, "error", error))
+        self._dead.set()
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except Exception as exc:
+            self._die(exc)
+
+    def _iterate(self) -> bool:
+        with self._cond:
+            while not self._inbox and not self._stopping and not self._has_work():
+                self._cond.wait()
+            commands, self._inbox = self._inbox, []
+            stopping = self._stopping
+        outputs = self._apply(commands)
+        step_start = None
+        if stopping:
+            outputs += self.engine.abort_request(self._tracker.live())
+        elif self._has_work():
+            step_start = time.monotonic()
+            if self._watchdog is not None:
+                self._watchdog.begin()
+            try:
+                outputs += self.engine.step()
+            finally:
+                if self._watchdog is not None:
+                    self._watchdog.end()
+        num_adds = sum(isinstance(c, _Add) for c in commands)
+        self._publish(outputs, step_start, num_adds)
+        return not stopping
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                ids = self._tracker.live() if cmd.request_ids is None else cmd.request_ids
+                outputs += self.engine.abort_request([i for i in ids if i in self._tracker])
+                continue
+            n_prompt = len(cmd.prompt_token_ids)
+            self._tracker.arrive(cmd.request_id, cmd.params.n, n_prompt, cmd.arrival)
+            try:
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt
+                )
+            except ValueError as exc:
+                outputs.append(terminal_output(cmd.request_id, cmd.params.n, "error", str(exc)))
+        return outputs
+
+    def _publish(self, outputs: list[RequestOutput], step_start: float | None, adds: int) -> None:
+        stats = self._tracker.iteration(
+            self.engine.stats(), outputs, step_start, self.engine.core.last_step_tokens
+        )
+        with self._cond:
+            self._latest = stats.engine
+            self._pending_adds -= adds
+        if self.stat_logger is not None:
+            try:
+                self.stat_logger.record(stats)
+            except Exception:
+                logger.exception("recording engine stats failed")
+        if outputs:
+            self._call_loop(self._dispatch, outputs)
+
+    def _die(self, exc: Exception) -> None:
+        """Liveness under failure: fail every request with an error output, mark the engine
+        dead (health 503) and tell the loop, which exits the server non-zero."""
+        error = f"The engine failed: {type(exc).__name__}: {exc}"
+        logger.exception("engine loop failed; failing %d request(s)", len(self._tracker.live()))
+        self.dead_error = error
+        self._accepting = False
+        with self._cond:
+            pending = [c for c in self._inbox if isinstance(c, _Add)]
+            self._inbox = []
+        outputs: list[RequestOutput] = []
+        try:
+            outputs = self.engine.fail_all(error)
+        except Exception:
+            logger.exception("failing the requests cleanly failed too")
+        ended = {o.request_id for o in outputs if o.finished}
+        for request_id, n in self._tracker.live_choices().items():
+            if request_id not in ended:
+                outputs.append(terminal_output(request_id, n, "error", error))
+        outputs += [terminal_output(c.request_id, c.params.n, "error", error) for c in pending]
+        try:
+            self._publish(outputs, None, len(pending))
+        except Exception:
+            logger.exception("publishing the failure failed")
+        self._call_loop(self._dispatch_dead, error)
+
+    def _call_loop(self, fn: Callable, *args: object) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the loop closed between the check and the call

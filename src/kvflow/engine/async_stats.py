@@ -1,0 +1,194 @@
+"""What the AsyncEngine's loop reports per pass (scheduler snapshots, per-request timings), and
+the watchdog that notices a step running too long.
+
+Plain data only (it crosses the engine-thread boundary). `StatsTracker` lives on the engine
+thread: it follows each request from arrival to its terminal output and turns a pass's outputs
+and the engine's cumulative counters into one `IterationStats` of deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvflow.engine.engine_core import EngineStats
+from kvflow.outputs import RequestOutput
+
+logger = logging.getLogger("kvflow.engine")
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    queued_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """One pass of the engine loop. Counter fields are deltas since the previous pass."""
+
+    engine: EngineStats
+    num_iteration_tokens: int | None = None  # None when no step ran in this pass
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_stuck_failures: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    def record(self, stats: IterationStats) -> None: ...
+
+
+@dataclass
+class _Track:
+    n: int
+    num_prompt_tokens: int
+    arrival: float
+    first_step: float | None = None
+    last_token: float | None = None
+    num_generated: int = 0
+
+
+class StatsTracker:
+    """Per-request timing, owned by the engine thread.
+
+    Queue time is measured up to the start of the step that produced the request's first token
+    (the engine reports no separate "scheduled" event), so it includes chunked-prefill steps.
+    """
+
+    def __init__(self, initial: EngineStats) -> None:
+        self._prev = initial
+        self._tracks: dict[str, _Track] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tracks
+
+    def live(self) -> list[str]:
+        return list(self._tracks)
+
+    def live_choices(self) -> dict[str, int]:
+        return {request_id: t.n for request_id, t in self._tracks.items()}
+
+    def arrive(self, request_id: str, n: int, num_prompt_tokens: int, arrival: float) -> None:
+        self._tracks[request_id] = _Track(n, num_prompt_tokens, arrival)
+
+    def iteration(
+        self,
+        engine: EngineStats,
+        outputs: list[RequestOutput],
+        step_start: float | None,
+        step_tokens: int | None,
+    ) -> IterationStats:
+        now = time.monotonic()
+        prev, self._prev = self._prev, engine
+        stats = IterationStats(
+            engine=engine,
+            num_iteration_tokens=step_tokens if step_start is not None else None,
+            num_preemptions=engine.num_preemptions_total - prev.num_preemptions_total,
+            prefix_cache_queries=engine.prefix_cache_queries - prev.prefix_cache_queries,
+            prefix_cache_hits=engine.prefix_cache_hits - prev.prefix_cache_hits,
+            num_stuck_failures=engine.num_stuck_failures - prev.num_stuck_failures,
+        )
+        for output in outputs:
+            self._observe(stats, output, now, now if step_start is None else step_start)
+        return stats
+
+    def _observe(
+        self, stats: IterationStats, output: RequestOutput, now: float, step_start: float
+    ) -> None:
+        track = self._tracks.get(output.request_id)
+        if track is None:
+            return
+        new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if new_tokens:
+            if track.last_token is None:
+                track.first_step = step_start
+                stats.time_to_first_tokens.append(now - track.arrival)
+                stats.num_prompt_tokens += track.num_prompt_tokens
+            else:
+                stats.inter_token_latencies.append(now - track.last_token)
+            track.last_token = now
+            track.num_generated += new_tokens
+            stats.num_generation_tokens += new_tokens
+        if output.finished:
+            del self._tracks[output.request_id]
+            reasons = [str(c.finish_reason) for c in output.outputs if c.finish_reason]
+            stats.finished.append(
+                FinishedRequestStats(
+                    finish_reason=reasons[-1] if reasons else "abort",
+                    e2e_latency=now - track.arrival,
+                    queued_time=(track.first_step or now) - track.arrival,
+                    num_prompt_tokens=track.num_prompt_tokens,
+                    num_generation_tokens=track.num_generated,
+                )
+            )
+
+
+class StepWatchdog:
+    """Notices an engine step that runs longer than `timeout` seconds (liveness point 6).
+
+    Its thread sleeps until a step begins, wakes once at that step's deadline and logs a WARNING
+    if the step is still running; `stalled` is what /health reads. Idle, it never wakes.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._started: float | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._watch, name="kvflow-watchdog")
+        self._thread.start()
+
+    def begin(self) -> None:
+        with self._cond:
+            self._started = time.monotonic()
+            self._cond.notify()
+
+    def end(self) -> None:
+        self._started = None  # no wake-up needed: the watcher checks at its deadline
+
+    @property
+    def stalled(self) -> bool:
+        started = self._started
+        return started is not None and time.monotonic() - started > self.timeout
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float) -> threading.Thread:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return self._thread
+
+    def _watch(self) -> None:
+        warned: float | None = None
+        with self._cond:
+            while not self._stopping:
+                started = self._started
+                if started is None or started == warned:
+                    self._cond.wait()
+                    continue
+                remaining = started + self.timeout - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+                warned = started
+                logger.warning(
+                    "engine step has run for over %.1f s (--watchdog-timeout); "
+                    "/health answers 503 until it ends",
+                    self.timeout,
+                )

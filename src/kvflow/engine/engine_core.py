@@ -1,0 +1,111 @@
+"""EngineCore: one step = schedule, run the model, update. The runner is injected."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvflow.config import EngineConfig
+from kvflow.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvflow.core.request import Request, RequestStatus
+from kvflow.core.scheduler import Scheduler
+
+logger = logging.getLogger("kvflow.engine")
+
+
+class Runner(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_for_capacity: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_stuck_failures: int
+    num_steps: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: Runner, log_steps: bool = False) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.log_steps = log_steps
+        self.num_stuck_failures = 0
+        self.num_steps = 0
+        self.last_step_tokens = 0  # tokens scheduled by the latest step (iteration_tokens)
+
+    def add_request(self, request: Request) -> None:
+        """Raises ValueError when the request could never be served."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(
+        self,
+        req_ids,
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+        error: str | None = None,
+    ) -> list[EngineCoreOutput]:
+        return self.scheduler.finish_requests(req_ids, status, error)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one step. Returns outputs for requests that produced tokens or finished."""
+        t0 = time.monotonic()
+        sched = self.scheduler.schedule()
+        self.num_steps += 1
+        self.last_step_tokens = sched.total_num_scheduled_tokens
+        if sched.is_empty:
+            outputs = self._fail_stuck_head()
+        else:
+            result = self.runner.execute(sched)
+            outputs = self.scheduler.update_from_output(sched, result)
+        if self.log_steps:
+            logger.info(
+                "core-step unfinished=%d scheduled=%d model_executed=%d n_out=%d elapsed_s=%.4f",
+                len(self.scheduler.requests),
+                len(sched.num_scheduled_tokens),
+                int(not sched.is_empty),
+                sum(len(o.new_token_ids) for o in outputs),
+                time.monotonic() - t0,
+            )
+        return outputs
+
+    def _fail_stuck_head(self) -> list[EngineCoreOutput]:
+        """Liveness point 4: nothing scheduled, nothing running, yet requests wait. The head can
+        never run (a broken invariant); fail it now rather than spin on it forever."""
+        sch = self.scheduler
+        if sch.running or not sch.waiting:
+            return []
+        head = sch.waiting[0]
+        msg = (
+            f"request {head.request_id} cannot be scheduled: it needs "
+            f"{head.num_tokens} tokens of KV with {sch.kv.pool.num_free_blocks} free blocks of "
+            f"{sch.kv.block_size} tokens (max_model_len {sch.max_model_len}, "
+            f"{self.config.cache.num_blocks} blocks); failing it instead of waiting forever"
+        )
+        logger.error(msg)
+        self.num_stuck_failures += 1
+        return sch.finish_requests([head.request_id], RequestStatus.FINISHED_ERROR, msg)
+
+    def stats(self) -> EngineStats:
+        sch = self.scheduler
+        return EngineStats(
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
+            num_waiting_for_capacity=len(sch.waiting) if sch.head_blocked_on_kv else 0,
+            kv_cache_usage=sch.kv.usage,
+            num_preemptions_total=sch.num_preemptions_total,
+            prefix_cache_queries=sch.kv.prefix_cache_queries,
+            prefix_cache_hits=sch.kv.prefix_cache_hits,
+            num_stuck_failures=self.num_stuck_failures,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,164 @@
+"""LLMEngine: tokenizer + validation + EngineCore + OutputProcessor, synchronous.
+
+The offline `LLM` and the server's `AsyncEngine` both drive one of these.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from kvflow.config import EngineConfig
+from kvflow.core.request import Request, RequestStatus
+from kvflow.engine.engine_core import EngineCore, EngineStats, Runner
+from kvflow.engine.output_processor import OutputProcessor
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvflow.engine")
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments with vLLM's names; `kvflow serve` flags map onto them one to one."""
+
+    model: str | None = None  # None: the embedded default model
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None or -1: auto-fit to the model and the KV pool
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_num_queued_reqs: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    chat_template: str | None = None
+    log_engine_steps: bool = False
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        tokenizer,
+        model_name: str,
+        eos_token_id: int | None,
+        dtype_name: str = "float32",
+        device: str = "cpu",
+        log_steps: bool = False,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.eos_token_id = eos_token_id
+        self.dtype_name = dtype_name
+        self.device = device
+        self.core = EngineCore(config, runner, log_steps=log_steps)
+        self.output_processor = OutputProcessor(tokenizer)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLMEngine:
+        """Load the model and size the KV cache. Raises ValueError for an impossible geometry."""
+        from kvflow.worker.builder import build_engine  # torch lives below this line
+
+        log_steps = args.log_engine_steps or os.environ.get("KVFLOW_LOG_ENGINE_STEPS") == "1"
+        return build_engine(cls, args, log_steps)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}).")
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Liveness point 2, with vLLM's wording: refuse what could never be served, and fill in
+        max_tokens (unset means the rest of the context). Returns the params to run with."""
+        m, p = self.max_model_len, len(prompt_token_ids)
+        if p == 0:
+            raise ValueError("The prompt cannot be empty.")
+        if p >= m:
+            raise ValueError(
+                f"This model's maximum context length is {m} tokens. However, your request has "
+                f"{p} input tokens. Please reduce the length of the input messages."
+            )
+        if params.max_tokens is None:
+            return params.clone(max_tokens=m - p, min_tokens=min(params.min_tokens, m - p))
+        if params.max_tokens > m - p:
+            t = params.max_tokens
+            raise ValueError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {t}. This model's maximum "
+                f"context length is {m} tokens and your request has {p} input tokens "
+                f"({t} > {m} - {p})."
+            )
+        return params
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        """Validate and queue a request (n choices share its prompt). Raises ValueError."""
+        params = self.validate(prompt_token_ids, params)
+        if request_id in self.output_processor.live_request_ids():
+            raise ValueError(f"request id {request_id!r} is already in use")
+        for child_id in self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params
+        ):
+            self.core.add_request(
+                Request(
+                    child_id,
+                    list(prompt_token_ids),
+                    params.max_tokens,
+                    sampling_params=params,
+                    eos_token_id=self.eos_token_id,
+                    stop_token_ids=frozenset(params.stop_token_ids),
+                    min_tokens=params.min_tokens,
+                    ignore_eos=params.ignore_eos,
+                )
+            )
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        return self._end(request_ids, RequestStatus.FINISHED_ABORTED, None)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        return self._end(
+            self.output_processor.live_request_ids(), RequestStatus.FINISHED_ERROR, error
+        )
+
+    def _end(self, request_ids, status: RequestStatus, error: str | None) -> list[RequestOutput]:
+        child_ids = [c for r in request_ids for c in self.output_processor.child_ids(r)]
+        outputs, _ = self.output_processor.process(
+            self.core.abort_requests(child_ids, status, error)
+        )
+        return outputs
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; delta outputs for every request that progressed or ended."""
+        outputs, stopped = self.output_processor.process(self.core.step())
+        if stopped:
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()

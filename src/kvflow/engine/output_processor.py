@@ -1,0 +1,148 @@
+"""Turns core outputs (token ids) into vLLM-shaped RequestOutputs: detokenization, stop strings,
+logprobs and the fan-in of n > 1 choices. Outputs are deltas: only what is new this step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.core.messages import EngineCoreOutput, TokenLogprobs
+from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """Each of the n choices runs as its own core request (they share the prompt's KV blocks)."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
+@dataclass
+class _Choice:
+    index: int
+    detok: IncrementalDetokenizer | None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: dict[str, _Choice] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, _Parent] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[str]:
+        """Track a request; returns the child ids to add to the core."""
+        parent = _Parent(request_id, prompt, prompt_token_ids, params)
+        for i, child_id in enumerate(child_request_ids(request_id, params.n)):
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            parent.choices[child_id] = _Choice(i, detok)
+            self._child_to_parent[child_id] = parent
+        self._parents[request_id] = parent
+        return list(parent.choices)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        return [] if parent is None else list(parent.choices)
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._parents)
+
+    def process(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns delta RequestOutputs (one per parent that progressed, in first-seen order) and
+        the child ids that a stop string finished, which the caller must end in the core."""
+        deltas: dict[str, RequestOutput] = {}
+        stopped: list[str] = []
+        for out in core_outputs:
+            parent = self._child_to_parent.get(out.req_id)
+            if parent is None:
+                continue
+            choice = parent.choices[out.req_id]
+            if choice.finish_reason is not None:
+                continue  # already ended by a stop string; this is the core catching up
+            completion = self._update_choice(parent, choice, out)
+            if completion.finish_reason == "stop" and out.finish_reason is None:
+                stopped.append(out.req_id)  # a stop string ended it; the core does not know yet
+            ro = deltas.get(parent.request_id)
+            if ro is None:
+                ro = RequestOutput(
+                    parent.request_id,
+                    parent.prompt,
+                    parent.prompt_token_ids,
+                    [],
+                    False,
+                    num_cached_tokens=out.num_cached_tokens,
+                )
+                deltas[parent.request_id] = ro
+            ro.outputs.append(completion)
+            if out.error:
+                ro.metrics["error"] = out.error
+        for ro in deltas.values():
+            parent = self._parents[ro.request_id]
+            ro.finished = parent.finished
+            if ro.finished:
+                self._drop(parent)
+        return list(deltas.values()), stopped
+
+    def _update_choice(
+        self, parent: _Parent, choice: _Choice, out: EngineCoreOutput
+    ) -> CompletionOutput:
+        params = parent.params
+        stop_str = None
+        if choice.detok is not None and out.new_token_ids:
+            stop_str = choice.detok.update(
+                out.new_token_ids, stop_terminated=out.finish_reason == "stop"
+            )
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if stop_str is not None:
+            finish_reason, stop_reason = "stop", stop_str
+        choice.finish_reason = finish_reason
+        text = choice.detok.get_delta(finished=finish_reason is not None) if choice.detok else ""
+        logprobs = None
+        if params.logprobs is not None and out.new_logprobs:
+            logprobs = [self._logprob_entry(choice, lp) for lp in out.new_logprobs]
+        return CompletionOutput(
+            index=choice.index,
+            text=text,
+            token_ids=list(out.new_token_ids),
+            cumulative_logprob=choice.cumulative_logprob if params.logprobs is not None else None,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+
+    def _logprob_entry(self, choice: _Choice, lp: TokenLogprobs) -> dict[int, Logprob]:
+        choice.cumulative_logprob += lp.logprob
+        decode = choice.detok.decode_token if choice.detok else (lambda t: None)
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, rank, decode(tid))
+        return entry
+
+    def _drop(self, parent: _Parent) -> None:
+        self._parents.pop(parent.request_id, None)
+        for child_id in parent.choices:
+            self._child_to_parent.pop(child_id, None)

@@ -1,0 +1,29 @@
+"""Model architectures, weight loading and model resolution (GGUF conversion, dtype choice)."""
+
+from __future__ import annotations
+
+from kvflow.model.loader import (
+    allocate_kv_caches,
+    kv_cache_shape,
+    load_config,
+    load_model,
+    load_tokenizer,
+    model_context_len,
+    resolve_dtype,
+    resolve_model,
+)
+from kvflow.model.registry import get_model_class, resolve_model_class, supported_architectures
+
+__all__ = [
+    "allocate_kv_caches",
+    "get_model_class",
+    "kv_cache_shape",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
+    "model_context_len",
+    "resolve_dtype",
+    "resolve_model",
+    "resolve_model_class",
+    "supported_architectures",
+]

@@ -1,0 +1,210 @@
+"""Building blocks shared by the architectures; each matches its transformers counterpart exactly.
+
+Weights know how to load themselves: every parameter carries `weight_loader(param, tensor,
+shard_id=None)`. Plain layers copy the checkpoint tensor; fused layers (`MergedLinear`) copy
+checkpoint tensor number `shard_id` into their slice of the fused output dimension. Layers skip
+random initialisation: the loader overwrites every parameter and checks that none was missed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.attention import AttentionBackend, AttentionMetadata, paged_attention
+
+WeightLoader = Callable[..., None]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create floating-point tensors in `dtype` inside the block (restored afterwards)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    """Copy a whole checkpoint tensor into `param` (shapes must match exactly)."""
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused (shard {shard_id})")
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _attach_loaders(module: nn.Module, loader: WeightLoader) -> None:
+    for param in module.parameters(recurse=False):
+        param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+class Linear(nn.Linear):
+    """nn.Linear without random init; its parameters load whole checkpoint tensors."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        _attach_loaders(self, default_weight_loader)
+
+    def reset_parameters(self) -> None:
+        """Left uninitialised on purpose: the loader overwrites every parameter."""
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input fused along the output dim (q|k|v, gate|up).
+
+    Shard i of the checkpoint fills output rows sum(output_sizes[:i]) .. + output_sizes[i].
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+        _attach_loaders(self, self._load_shard)
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"fused parameter needs a shard id in 0..{len(self.output_sizes) - 1}")
+        offset = sum(self.output_sizes[:shard_id])
+        size = self.output_sizes[shard_id]
+        default_weight_loader(param.data[offset : offset + size], loaded)  # type: ignore[arg-type]
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """The fused output cut back into its shards, in checkpoint order."""
+        return list(out.split(self.output_sizes, dim=-1))
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without random init."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        _attach_loaders(self, default_weight_loader)
+
+    def reset_parameters(self) -> None:
+        """Left uninitialised on purpose: the loader overwrites every parameter."""
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose parameters carry the default loader."""
+
+    def __init__(self, hidden_size: int, elementwise_affine: bool = True) -> None:
+        super().__init__(hidden_size, elementwise_affine=elementwise_affine)
+        _attach_loaders(self, default_weight_loader)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled in the input dtype (as transformers)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        _attach_loaders(self, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with transformers' frequencies for every rope type.
+
+    Reads `hf_config.rope_parameters` (transformers 5) and uses
+    `transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS` for scaled types (llama3, linear, yarn,
+    ...). Frequencies are fixed at load time: "dynamic" and "longrope" use the frequencies
+    transformers uses for sequences within the original context length.
+    """
+
+    def __init__(self, hf_config: object, head_dim: int) -> None:
+        super().__init__()
+        with default_dtype(torch.float32):
+            inv_freq, attention_scaling = _rope_frequencies(hf_config, head_dim)
+        if inv_freq.numel() * 2 != head_dim:
+            raise ValueError(f"partial rotary embeddings are not supported (head_dim {head_dim})")
+        inv_freq = inv_freq.float().to(torch.get_default_device())
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = float(attention_scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim] in `dtype`, for int64 positions [T]."""
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+
+def _rope_frequencies(hf_config: object, head_dim: int) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponents), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by position: x * cos + rotate_half(x) * sin (halves, not pairs)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class PagedAttention(nn.Module):
+    """Hands q/k/v of the scheduled tokens to an attention backend with this layer's cache."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend: AttentionBackend = backend or paged_attention
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, Hq*D] or [T, Hq, D], k/v likewise with Hkv -> [T, Hq*D]."""
+        tokens = q.shape[0]
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        extra = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        out = self.backend(q, k, v, kv_cache, meta, self.scale, **extra)
+        return out.reshape(tokens, self.num_heads * self.head_dim)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The transformers activation called `name` (silu, gelu, relu, ...)."""
+    if name == "silu":
+        return F.silu
+    if name == "relu":
+        return F.relu
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]

@@ -1,0 +1,226 @@
+"""The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2, Qwen3.
+
+They share one decoder (pre-norm RMSNorm, rotary attention with GQA, gated MLP) and differ in
+a few switches, collected per architecture in `Flavor`:
+
+    Llama    attention_bias / mlp_bias flags, rope scaling (llama3, linear, yarn, ...)
+    Mistral  sliding window on every layer when `sliding_window` is set
+    Qwen2    bias on q/k/v (not o); sliding window on layers marked "sliding_attention"
+    Qwen3    per-head RMSNorm of q and k before rope; explicit head_dim
+
+Parameter names follow the transformers checkpoints, except the fused `qkv_proj` and
+`gate_up_proj`, which `packed_modules` maps back to their checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.attention import AttentionBackend, AttentionMetadata
+from kvflow.model.layers import (
+    Embedding,
+    Linear,
+    MergedLinear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    activation,
+    apply_rotary,
+)
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """What distinguishes one architecture of the family; see the module docstring."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
+    """The attention window of layer `layer_idx` (None: full causal attention)."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if window is None or layer_types is None:
+        return window
+    return window if layer_types[layer_idx] == "sliding_attention" else None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: Any, layer_idx: int, flavor: Flavor, backend: AttentionBackend | None
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], flavor.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=flavor.o_bias)
+        if flavor.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = flavor.qk_norm
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=layer_sliding_window(cfg, layer_idx),
+            backend=backend,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v.reshape(tokens, self.num_kv_heads, self.head_dim), kv_cache, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, flavor: Flavor) -> None:
+        super().__init__()
+        hidden, inner = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(hidden, [inner, inner], bias=flavor.mlp_bias)
+        self.down_proj = Linear(inner, hidden, bias=flavor.mlp_bias)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: Any, layer_idx: int, flavor: Flavor, backend: AttentionBackend | None
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, flavor, backend)
+        self.mlp = LlamaMLP(cfg, flavor)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, flavor: Flavor, backend: AttentionBackend | None) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, flavor, backend) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the packed tokens of one step; see `forward` and `compute_logits`."""
+
+    packed_modules: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, config: Any, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.flavor(config), attn_backend)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        )
+
+    @classmethod
+    def flavor(cls, cfg: Any) -> Flavor:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return Flavor(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into (before unpacking), or None to skip."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions int64 [T], one cache per layer -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def flavor(cls, cfg: Any) -> Flavor:
+        return Flavor()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def flavor(cls, cfg: Any) -> Flavor:
+        return Flavor(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def flavor(cls, cfg: Any) -> Flavor:
+        return Flavor(
+            qkv_bias=bool(cfg.attention_bias), o_bias=bool(cfg.attention_bias), qk_norm=True
+        )

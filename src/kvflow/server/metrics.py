@@ -1,0 +1,181 @@
+"""Prometheus metrics with vLLM's names, types, labels and buckets.
+
+Each app owns its CollectorRegistry (never the global one), so several servers can live in one
+process (tests). Everything is fed from the engine loop's `IterationStats`: gauges from the
+scheduler snapshot, counters from deltas of the engine's own counters (a preemption is counted
+when it happens, not when some output mentions it) and from the step's outputs.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvflow.config import EngineConfig
+from kvflow.engine.async_stats import IterationStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+_LABELS = ["model_name", "engine"]
+_FINISH_REASONS = ("stop", "length", "abort", "error")
+_ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+_ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+]  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, config: EngineConfig, gpu_memory_utilization: float):
+        self.registry = CollectorRegistry()
+        values = (model_name, "0")
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, _LABELS, registry=self.registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, _LABELS, registry=self.registry).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: list) -> Histogram:
+            h = Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)
+            return h.labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of requests waiting, by why they wait (capacity: blocked on KV cache "
+            "blocks; deferred: waiting for their turn).",
+            [*_LABELS, "reason"],
+            registry=self.registry,
+        )
+        self.waiting_capacity = by_reason.labels(*values, "capacity")
+        self.waiting_deferred = by_reason.labels(*values, "deferred")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.stuck_failed = counter(
+            "kvflow:stuck_requests_failed",
+            "Requests failed because they could never be scheduled (a broken invariant).",
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*_LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        self.success = {r: success.labels(*values, r) for r in _FINISH_REASONS}
+        self._success_base = success
+        self._values = values
+        self._histograms(histogram, config.max_model_len)
+        self._cache_info(config, gpu_memory_utilization)
+
+    def _histograms(self, histogram, max_model_len: int) -> None:
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            _ITERATION_TOKEN_BUCKETS,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            _TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
+        )
+
+    def _cache_info(self, config: EngineConfig, gpu_memory_utilization: float) -> None:
+        info = {
+            "block_size": str(config.cache.block_size),
+            "num_gpu_blocks": str(config.cache.num_blocks),
+            "num_cpu_blocks": "None",
+            "enable_prefix_caching": str(config.cache.enable_prefix_caching),
+            "cache_dtype": "auto",
+            "gpu_memory_utilization": str(gpu_memory_utilization),
+            "engine": "0",
+        }
+        gauge = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info),
+            registry=self.registry,
+        )
+        gauge.labels(**info).set(1)
+
+    def record(self, stats: IterationStats) -> None:
+        """Called by the engine loop after every pass (thread-safe: prometheus_client locks)."""
+        engine = stats.engine
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.waiting_capacity.set(engine.num_waiting_for_capacity)
+        self.waiting_deferred.set(engine.num_waiting - engine.num_waiting_for_capacity)
+        self.kv_usage.set(engine.kv_cache_usage)
+        self.preemptions.inc(stats.num_preemptions)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
+        self.stuck_failed.inc(stats.num_stuck_failures)
+        if stats.num_iteration_tokens:
+            self.iteration_tokens.observe(stats.num_iteration_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.itl.observe(itl)
+        for done in stats.finished:
+            success = self.success.get(done.finish_reason)
+            if success is None:
+                success = self._success_base.labels(*self._values, done.finish_reason)
+            success.inc()
+            self.e2e.observe(done.e2e_latency)
+            self.queue_time.observe(done.queued_time)
+            self.request_prompt_tokens.observe(done.num_prompt_tokens)
+            self.request_generation_tokens.observe(done.num_generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Model execution: runner, batch inputs, KV tensors and the sampler. Torch from here down."""

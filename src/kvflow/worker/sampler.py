@@ -1,0 +1,338 @@
+"""Sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+`sample()` is a chain of pure tensor functions with no host synchronisation; the only
+device -> host copies happen when a caller reads `SamplerOutput.bad_rows` or `.logprobs`
+(after it has copied the sampled ids anyway). An all-greedy batch without penalties is one
+argmax. `SamplingMetadata.build()` runs every step, so it only makes the tensors a batch needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvflow.core.messages import TokenLogprobs
+from kvflow.sampling_params import SamplingParams
+
+_GREEDY_EPS = 1e-5
+# Exponential draws are clamped away from 0 so probs / draw never becomes 0 / 0.
+_MIN_EXPONENTIAL = 1e-10
+# SamplingMetadata's random-sampling fields when every row is greedy.
+_ALL_GREEDY_FIELDS: dict[str, Any] = {
+    "temperature": None,
+    "top_k": None,
+    "max_top_k": 0,
+    "top_p": None,
+    "min_p": None,
+}
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs for one step; row i is the i-th request being sampled.
+
+    Every optional tensor is None when no row needs it, so the common cases cost nothing.
+    """
+
+    temperature: Tensor | None  # float32 [B]; greedy rows hold 0; None when all greedy
+    all_greedy: bool
+    all_random: bool
+    top_k: Tensor | None  # int64 [B], 0 = off
+    max_top_k: int  # largest k in top_k (sizes a topk call instead of a full sort); 0 if off
+    top_p: Tensor | None  # float32 [B], 1.0 = off
+    min_p: Tensor | None  # float32 [B], 0.0 = off
+    generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
+    presence_penalties: Tensor | None  # float32 [B]
+    frequency_penalties: Tensor | None  # float32 [B]
+    repetition_penalties: Tensor | None  # float32 [B]
+    # int64 [B, L], right-padded with vocab_size; only when a penalty needs them.
+    prompt_token_ids: Tensor | None
+    output_token_ids: Tensor | None
+    # (rows, token ids): pairs whose logit is set to -inf (EOS / stop ids under min_tokens).
+    min_tokens_mask: tuple[Tensor, Tensor] | None
+    max_num_logprobs: int | None  # None when no row asks for logprobs
+    num_logprobs: list[int | None]  # per row: params.logprobs
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalties is not None
+            or self.frequency_penalties is not None
+            or self.repetition_penalties is not None
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_id: int | None,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Gather the batch's parameters; `generators[i]` must live on `device`."""
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        all_greedy = all(greedy)
+        num_logprobs = [p.logprobs for p in params]
+        wanted = [n for n in num_logprobs if n is not None]
+        rep = _column(params, "repetition_penalty", 1.0, torch.float32, device)
+        freq = _column(params, "frequency_penalty", 0.0, torch.float32, device)
+        pres = _column(params, "presence_penalty", 0.0, torch.float32, device)
+        random_fields = _ALL_GREEDY_FIELDS
+        if not all_greedy:
+            random_fields = _random_fields(params, greedy, vocab_size, device)
+        any_penalty = rep is not None or freq is not None or pres is not None
+        prompt_ids = _pad(prompt_token_ids, vocab_size, device) if rep is not None else None
+        output_ids = _pad(output_token_ids, vocab_size, device) if any_penalty else None
+        return cls(
+            all_greedy=all_greedy,
+            all_random=not any(greedy),
+            **random_fields,
+            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+            presence_penalties=pres,
+            frequency_penalties=freq,
+            repetition_penalties=rep,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            min_tokens_mask=_min_tokens_pairs(
+                params, output_token_ids, eos_token_id, vocab_size, device
+            ),
+            max_num_logprobs=max(wanted) if wanted else None,
+            num_logprobs=num_logprobs,
+        )
+
+
+def _column(
+    params: list[SamplingParams],
+    name: str,
+    neutral: float,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> Tensor | None:
+    values = [getattr(p, name) for p in params]
+    if all(v == neutral for v in values):
+        return None
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _random_fields(
+    params: list[SamplingParams], greedy: list[bool], vocab_size: int, device: torch.device | str
+) -> dict[str, Any]:
+    """Temperature (0 on greedy rows), then top-k / top-p / min-p if a random row uses them."""
+    temps = [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+    random_params = [p for p, g in zip(params, greedy, strict=True) if not g]
+    fields = dict(_ALL_GREEDY_FIELDS)
+    fields["temperature"] = torch.tensor(temps, dtype=torch.float32, device=device)
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+    if any(top_ks[i] for i, g in enumerate(greedy) if not g):
+        fields["top_k"] = torch.tensor(top_ks, dtype=torch.int64, device=device)
+        fields["max_top_k"] = max(top_ks)
+    if any(p.top_p < 1.0 for p in random_params):
+        fields["top_p"] = _column(params, "top_p", 1.0, torch.float32, device)
+    if any(p.min_p > 0.0 for p in random_params):
+        fields["min_p"] = _column(params, "min_p", 0.0, torch.float32, device)
+    return fields
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device | str) -> Tensor:
+    width = max((len(r) for r in rows), default=0)
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), width)
+
+
+def _min_tokens_pairs(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_id: int | None,
+    vocab_size: int,
+    device: torch.device | str,
+) -> tuple[Tensor, Tensor] | None:
+    rows: list[int] = []
+    ids: list[int] = []
+    for i, p in enumerate(params):
+        if p.min_tokens == 0 or len(output_token_ids[i]) >= p.min_tokens:
+            continue
+        blocked = set(p.stop_token_ids)
+        if eos_token_id is not None:
+            blocked.add(eos_token_id)
+        for t in sorted(blocked):
+            if t < vocab_size:
+                rows.append(i)
+                ids.append(t)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(ids, dtype=torch.int64, device=device),
+    )
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled ids stay on the device; the list views copy to the host when first read."""
+
+    sampled: Tensor  # int64 [B]
+    bad_mask: Tensor  # bool [B]: the row's raw logits held NaN or +-inf
+    # (sampled logprob, its rank, top-n ids, top-n logprobs) when any row asked for logprobs.
+    logprob_tensors: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    num_logprobs: list[int | None] | None = None
+
+    @cached_property
+    def bad_rows(self) -> list[int]:
+        """Rows whose logits were not finite; the caller fails those requests alone."""
+        return self.bad_mask.nonzero().flatten().tolist()
+
+    @cached_property
+    def logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Per row: logprobs of the raw logits, only for rows whose params ask for them."""
+        if self.logprob_tensors is None or self.num_logprobs is None:
+            return None
+        own, rank, top_ids, top_lps = (t.tolist() for t in self.logprob_tensors)
+        token_ids = self.sampled.tolist()
+        return [
+            None
+            if n is None
+            else TokenLogprobs(
+                token_id=token_ids[i],
+                logprob=own[i],
+                rank=rank[i],
+                top_ids=top_ids[i][:n],
+                top_logprobs=top_lps[i][:n],
+            )
+            for i, n in enumerate(self.num_logprobs)
+        ]
+
+
+def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    """Sample one token per row of `logits` [B, V] (float32); `logits` is not modified."""
+    logits = logits.float()
+    # One sum per row: NaN or +-inf anywhere makes it non-finite (cheaper than isfinite().all()).
+    bad_mask = ~logits.sum(dim=-1).isfinite()
+    processed = logits
+    if meta.has_penalties or meta.min_tokens_mask is not None:
+        processed = apply_penalties(logits.clone(), meta)
+    if meta.all_greedy:
+        sampled = processed.argmax(dim=-1)
+    else:
+        assert meta.temperature is not None
+        sampled = _sample_random(processed, meta)
+        if not meta.all_random:
+            greedy = meta.temperature < _GREEDY_EPS
+            sampled = torch.where(greedy, processed.argmax(dim=-1), sampled)
+    out = SamplerOutput(sampled=sampled, bad_mask=bad_mask)
+    if meta.max_num_logprobs is not None:
+        out.logprob_tensors = compute_logprobs(logits, sampled, meta.max_num_logprobs)
+        out.num_logprobs = meta.num_logprobs
+    return out
+
+
+def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Repetition (prompt + output), then frequency and presence (output only), then min_tokens.
+
+    May modify `logits` in place; returns the penalised logits.
+    """
+    batch, vocab = logits.shape
+    if meta.has_penalties:
+        assert meta.output_token_ids is not None
+        counts = _token_counts(meta.output_token_ids, batch, vocab)
+        if meta.repetition_penalties is not None:
+            assert meta.prompt_token_ids is not None
+            seen = (_token_counts(meta.prompt_token_ids, batch, vocab) > 0) | (counts > 0)
+            penalty = meta.repetition_penalties.unsqueeze(1)
+            scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, scaled, logits)
+        if meta.frequency_penalties is not None:
+            logits -= meta.frequency_penalties.unsqueeze(1) * counts
+        if meta.presence_penalties is not None:
+            logits -= meta.presence_penalties.unsqueeze(1) * (counts > 0).float()
+    if meta.min_tokens_mask is not None:
+        rows, ids = meta.min_tokens_mask
+        logits[rows, ids] = float("-inf")
+    return logits
+
+
+def _token_counts(token_ids: Tensor, batch: int, vocab: int) -> Tensor:
+    """float32 [B, V] occurrence counts; the padding id `vocab` lands in a dropped column."""
+    counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _sample_random(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row (greedy rows: ignored)."""
+    assert meta.temperature is not None
+    temperature = meta.temperature
+    if not meta.all_random:
+        temperature = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if meta.top_p is not None:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    elif meta.top_k is not None:
+        logits = apply_top_k(logits, meta.top_k, meta.max_top_k)
+    probs = logits.softmax(dim=-1)
+    if meta.min_p is not None:
+        threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return exponential_race(probs, meta.generators)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Mask to -inf what top-k (0 = off) and top-p (1.0 = off) exclude; always keeps the max.
+
+    top-k keeps every token tied with the k-th largest; top-p keeps the smallest prefix of the
+    descending order whose mass reaches p (renormalised after top-k).
+    """
+    vocab = logits.shape[1]
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)
+        kth = ordered.gather(1, (k - 1).unsqueeze(1))
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if top_p is not None:
+        probs = ordered.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def apply_top_k(logits: Tensor, top_k: Tensor, max_top_k: int) -> Tensor:
+    """top-k alone (0 = off) with one topk(max_top_k) call: no full-vocabulary sort."""
+    largest = logits.topk(max_top_k, dim=-1).values
+    kth = largest.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+    drop = (logits < kth) & (top_k > 0).unsqueeze(1)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """argmax(probs / E) with E ~ Exponential(1) draws a token with probability probs.
+
+    Seeded rows draw E from their own generator (V draws per step whatever the batch), so a
+    seed gives the same tokens in any batch and at any row; other rows share one draw.
+    """
+    # -log(U) is Exponential(1) and on CPU much cheaper than Tensor.exponential_().
+    if len(generators) == probs.shape[0]:
+        draws = torch.empty_like(probs)
+    else:
+        draws = torch.rand_like(probs)
+    for row, generator in generators.items():
+        draws[row].uniform_(generator=generator)
+    draws = draws.log_().neg_().clamp_min_(_MIN_EXPONENTIAL)
+    return (probs / draws).argmax(dim=-1)
+
+
+def compute_logprobs(
+    logits: Tensor, sampled: Tensor, num_top: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """From raw logits: the sampled token's logprob and rank (1 = most likely), and the top-n."""
+    logprobs = logits.log_softmax(dim=-1)
+    own = logprobs.gather(1, sampled.unsqueeze(1))
+    rank = (logprobs > own).sum(dim=-1) + 1
+    top_lps, top_ids = logprobs.topk(num_top, dim=-1)
+    return own.squeeze(1), rank, top_ids, top_lps

@@ -1,0 +1,102 @@
+"""Property tests of the liveness invariant (DESIGN.md points 1-5) with the fake runner.
+
+The step bound. Admission guarantees every request fits alone (prompt + max_tokens <= max_model_len
+<= C), preemption takes the newest running request, and the running half gives the oldest request
+the budget first. So the oldest live request gains at least one token per step and is never
+preempted: once oldest, request i needs at most ceil((P_i + M_i) / B) prefill steps (a full
+recompute) plus M_i decode steps. Summing over requests bounds the steps of the whole run:
+
+    steps <= sum_i (ceil((P_i + M_i) / B) + M_i)      (B = max_num_batched_tokens)
+
+Preemptions of a request R: R is preempted only when a request that is not younger than R lacks a
+block, which cannot happen while R's elders hold nothing (R fits alone). So in every step that
+preempts R some older request is running, and the oldest running one computes at least one token
+in it. Hence R is preempted at most as often as its elders compute tokens:
+
+    preemptions(R) <= sum over older j of num_tokens_j * (preemptions_j + 1)
+"""
+
+from __future__ import annotations
+
+import os
+
+from fakes import FakeRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from kvflow.core.request import Request
+from kvflow.engine.engine_core import EngineCore
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    num_blocks = draw(st.integers(2, 24))
+    cache = CacheConfig(block_size, num_blocks, draw(st.booleans()))
+    if cache.servable_tokens < 2:
+        num_blocks = 3
+        cache = CacheConfig(block_size, num_blocks, cache.enable_prefix_caching)
+    max_model_len = resolve_max_model_len(cache, 10_000, None)
+    budget = draw(st.integers(1, 48))
+    max_seqs = draw(st.integers(1, 6))
+    prefixes = draw(st.lists(st.lists(st.integers(3, 50), min_size=1, max_size=20), min_size=1, max_size=3))
+    reqs = []
+    for i in range(draw(st.integers(1, 10))):
+        prefix = draw(st.sampled_from(prefixes))
+        tail = draw(st.lists(st.integers(3, 50), max_size=20))
+        prompt = (prefix + tail)[: max_model_len - 1]
+        max_tokens = draw(st.integers(1, max_model_len - len(prompt)))
+        arrive = draw(st.integers(0, 15))
+        abort_at = draw(st.one_of(st.none(), st.integers(0, 40)))
+        eos_at = draw(st.one_of(st.none(), st.integers(0, max_tokens)))
+        reqs.append((f"r{i}", prompt, max_tokens, arrive, abort_at, eos_at))
+    return cache, SchedulerConfig(max_model_len, budget, max_seqs), reqs
+
+
+def _bound(reqs, budget: int) -> int:
+    return sum(-(-(len(p) + m) // budget) + m for _, p, m, *_ in reqs)
+
+
+@settings(max_examples=int(os.environ.get("KVFLOW_PROPERTY_EXAMPLES", "2000")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_every_request_finishes_within_the_bound_and_nothing_leaks(workload):
+    cache, sched_cfg, reqs = workload
+    eos = {rid: e for rid, _, _, _, _, e in reqs if e is not None}
+    engine = EngineCore(EngineConfig(cache, sched_cfg), FakeRunner(cache.block_size, cache.num_blocks, eos_at=eos))
+    pool = engine.scheduler.kv.pool
+    live: dict[str, Request] = {}
+    finished: dict[str, str] = {}
+    last_arrival = max(r[3] for r in reqs)
+    bound = last_arrival + 1 + _bound(reqs, sched_cfg.max_num_batched_tokens)
+    step = 0
+    while step <= last_arrival or engine.has_unfinished_requests():
+        for rid, prompt, max_tokens, arrive, abort_at, _ in reqs:
+            if arrive == step:
+                live[rid] = Request(rid, list(prompt), max_tokens, eos_token_id=2)
+                engine.add_request(live[rid])
+            if abort_at == step and rid in live and rid not in finished:
+                for out in engine.abort_requests([rid]):
+                    finished[out.req_id] = out.finish_reason
+        waiting_head = engine.scheduler.waiting[0] if engine.scheduler.waiting else None
+        for out in engine.step():
+            if out.finished:
+                finished[out.req_id] = out.finish_reason
+        sched = engine.runner.steps[-1] if engine.runner.steps else None
+        # Liveness point 5 / no spin: a step with live requests schedules something.
+        if engine.has_unfinished_requests() or waiting_head is not None:
+            assert sched is not None and sched.total_num_scheduled_tokens > 0 or not live
+        pool.check_invariants()
+        step += 1
+        assert step <= bound, f"run exceeded the derived bound of {bound} steps"
+    assert set(finished) == set(live)
+    assert all(reason in ("stop", "length", "abort") for reason in finished.values())
+    assert engine.stats().num_stuck_failures == 0
+    assert pool.num_free_blocks == cache.num_blocks - 1, "blocks held after every request ended"
+    order = sorted(live.values(), key=lambda r: r.arrival_seq)
+    for i, r in enumerate(order):
+        elder_work = sum(o.num_tokens * (o.num_preemptions + 1) for o in order[:i])
+        assert r.num_preemptions <= elder_work
+    for r in order:
+        if r.finish_reason == "length":
+            assert r.num_output_tokens == r.max_tokens or r.num_tokens == sched_cfg.max_model_len

@@ -1,0 +1,163 @@
+"""Scheduler scenarios, scripted step by step with the fake runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes import FakeRunner, scripted_token
+from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvflow.core.request import Request, RequestStatus
+from kvflow.engine.engine_core import EngineCore
+
+
+def make_engine(
+    num_blocks=64, block_size=4, budget=64, max_seqs=8, max_model_len=None, caching=True, **fake
+):
+    cache = CacheConfig(block_size, num_blocks, caching)
+    mml = max_model_len or cache.servable_tokens
+    cfg = EngineConfig(cache, SchedulerConfig(mml, budget, max_seqs))
+    return EngineCore(cfg, FakeRunner(block_size, num_blocks, **fake))
+
+
+def add(engine, rid, prompt_len, max_tokens=4, start=0, **kw):
+    req = Request(rid, list(range(start, start + prompt_len)), max_tokens, eos_token_id=2, **kw)
+    engine.add_request(req)
+    return req
+
+
+def run_to_end(engine, max_steps=10_000):
+    outs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for o in engine.step():
+            outs.setdefault(o.req_id, []).append(o)
+        engine.scheduler.kv.pool.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv.usage == 0.0
+    return outs
+
+
+def tokens(outs, rid):
+    return [t for o in outs[rid] for t in o.new_token_ids]
+
+
+def test_chunked_prefill_at_budget_then_decode_shares_the_step():
+    eng = make_engine(budget=16)
+    add(eng, "a", 40, max_tokens=3)
+    seen = []
+    while eng.has_unfinished_requests():
+        if len(seen) == 2:
+            add(eng, "b", 20, max_tokens=2, start=500)
+        eng.step()
+        seen.append(dict(eng.runner.steps[-1].num_scheduled_tokens))
+    assert seen == [
+        {"a": 16},
+        {"a": 16},
+        {"a": 8, "b": 8},  # a's last chunk and b's first share the step
+        {"a": 1, "b": 12},  # a decodes, b finishes its prefill
+        {"a": 1, "b": 1},
+    ]
+
+
+def test_prefix_hit_skips_cached_blocks():
+    eng = make_engine(block_size=4)
+    add(eng, "a", 18, max_tokens=2)
+    run_to_end(eng)
+    b = add(eng, "b", 18, max_tokens=2)  # same prompt: 16 of 18 tokens cached (4 full blocks)
+    eng.step()
+    assert eng.runner.steps[-1].num_scheduled_tokens == {"b": 2}
+    assert b.num_cached_tokens == 16
+    c = add(eng, "c", 16, max_tokens=2)  # 16 tokens: the last block holds the last token
+    eng.step()
+    assert c.num_cached_tokens == 12
+    run_to_end(eng)
+    stats = eng.stats()
+    assert stats.prefix_cache_queries == 18 + 18 + 16 and stats.prefix_cache_hits == 28
+
+
+def test_preemption_takes_newest_and_outputs_are_unchanged():
+    alone = {}
+    for rid, start in (("old", 0), ("new", 100)):
+        eng = make_engine(num_blocks=64)
+        add(eng, rid, 6, max_tokens=20, start=start)
+        alone[rid] = tokens(run_to_end(eng), rid)
+    eng = make_engine(num_blocks=9, block_size=4)  # 32 servable tokens: both can't fit at once
+    old = add(eng, "old", 6, max_tokens=20)
+    new = add(eng, "new", 6, max_tokens=20, start=100)
+    outs = run_to_end(eng)
+    assert old.num_preemptions == 0 and new.num_preemptions >= 1
+    assert eng.stats().num_preemptions_total == new.num_preemptions
+    assert tokens(outs, "old") == alone["old"] and tokens(outs, "new") == alone["new"]
+
+
+def test_stop_conditions():
+    eng = make_engine(eos_at={"eos": 3, "early": 0})
+    add(eng, "eos", 5, max_tokens=10)
+    add(eng, "ign", 5, max_tokens=4, ignore_eos=True)
+    add(eng, "minp", 5, max_tokens=10, min_tokens=3)
+    eng.runner.eos_at["minp"] = 1  # EOS before min_tokens is not a stop
+    eng.runner.eos_at["ign"] = 1
+    add(eng, "early", 5, max_tokens=10, min_tokens=0)
+    stop_tok = scripted_token("stoptok", 5 + 2)
+    add(eng, "stoptok", 5, max_tokens=10, stop_token_ids=frozenset({stop_tok}))
+    outs = run_to_end(eng)
+    last = {rid: o[-1] for rid, o in outs.items()}
+    assert len(tokens(outs, "eos")) == 4 and last["eos"].finish_reason == "stop"
+    assert len(tokens(outs, "ign")) == 4 and last["ign"].finish_reason == "length"
+    assert tokens(outs, "minp")[1] == 2 and last["minp"].finish_reason == "length"
+    assert tokens(outs, "early") == [2] and last["early"].finish_reason == "stop"
+    assert tokens(outs, "stoptok")[-1] == stop_tok and last["stoptok"].stop_reason == stop_tok
+    assert len(tokens(outs, "stoptok")) == 3
+
+
+def test_max_model_len_caps_and_admission():
+    eng = make_engine(num_blocks=5, block_size=4)  # C = 16 = max_model_len
+    r = add(eng, "a", 10, max_tokens=100)
+    assert r.max_tokens == 6
+    outs = run_to_end(eng)
+    assert len(tokens(outs, "a")) == 6 and outs["a"][-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len - 1 = 15"):
+        add(eng, "b", 16)
+    with pytest.raises(ValueError):
+        add(eng, "c", 0)
+
+
+def test_abort_waiting_and_running_frees_blocks():
+    eng = make_engine(num_blocks=6, block_size=4, max_seqs=1)
+    add(eng, "a", 8, max_tokens=50)
+    add(eng, "b", 8, max_tokens=50)
+    eng.step()
+    assert eng.stats().num_running == 1 and eng.stats().num_waiting == 1
+    outs = eng.abort_requests(["b", "a", "unknown"])
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("b", "abort"), ("a", "abort")]
+    assert eng.scheduler.kv.usage == 0.0 and not eng.has_unfinished_requests()
+    add(eng, "c", 4)
+    eng.step()  # the next step the runner executes tells it to forget "a"
+    assert eng.runner.steps[-1].finished_req_ids == {"a"} and "a" not in eng.runner.states
+
+
+def test_failed_request_fails_alone():
+    eng = make_engine(fail={"bad"})
+    add(eng, "bad", 5)
+    add(eng, "good", 5, start=50)
+    outs = run_to_end(eng)
+    assert outs["bad"][-1].finish_reason == "error" and outs["bad"][-1].error
+    assert outs["good"][-1].finish_reason == "length"
+
+
+def test_stuck_head_is_failed_not_spun(caplog):
+    eng = make_engine(num_blocks=3, block_size=4)  # C = 8
+    # Break the invariant on purpose: pretend the context is larger than the pool.
+    eng.scheduler.max_model_len = 100
+    add(eng, "big", 20, max_tokens=1)
+    add(eng, "ok", 3, max_tokens=2, start=40)
+    with caplog.at_level("ERROR", logger="kvflow.engine"):
+        outs = run_to_end(eng, max_steps=20)
+    assert (
+        outs["big"][-1].finish_reason == "error" and "cannot be scheduled" in outs["big"][-1].error
+    )
+    assert "20 tokens" in caplog.text
+    assert outs["ok"][-1].finish_reason == "length"
+    assert eng.stats().num_stuck_failures == 1
+    assert RequestStatus.FINISHED_ERROR.finished

@@ -1,0 +1,85 @@
+"""A scripted runner for scheduler and engine tests: no model, but a simulated KV cache.
+
+It plays the runner's side of the protocol (new requests once, diffs after, forget on finish)
+and checks what a real model would silently get wrong: every token of a request's context must
+be readable through its block table at the slot where it was written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
+
+
+def scripted_token(req_id: str, position: int) -> int:
+    """Deterministic 'model': the token at `position` depends on the request and position only."""
+    return 3 + (hash((req_id, position)) % 1000)
+
+
+@dataclass
+class _State:
+    tokens: list[int]
+    prompt_len: int
+    block_ids: list[int]
+    num_computed: int
+
+
+@dataclass
+class FakeRunner:
+    block_size: int
+    num_blocks: int
+    eos_at: dict[str, int] = field(default_factory=dict)  # req_id -> output index that is EOS
+    eos_token_id: int = 2
+    fail: set[str] = field(default_factory=set)  # req_ids whose step "raises" (non-finite logits)
+    states: dict[str, _State] = field(default_factory=dict)
+    kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (position, token)
+    steps: list[SchedulerOutput] = field(default_factory=list)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(sched)
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in sched.new_reqs:
+            assert new.req_id not in self.states, "runner sent a request it already has"
+            tokens = new.prompt_token_ids + new.output_token_ids
+            self.states[new.req_id] = _State(
+                tokens, len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
+            )
+        for cached in sched.cached_reqs:
+            st = self.states[cached.req_id]
+            assert st.num_computed == cached.num_computed_tokens, "computed counter diverged"
+            st.block_ids.extend(cached.new_block_ids)
+        sampled: dict[str, list[int]] = {}
+        for req_id, n in sched.num_scheduled_tokens.items():
+            sampled[req_id] = self._run_one(req_id, n)
+        failed = {r: "injected failure" for r in self.fail if r in sched.num_scheduled_tokens}
+        return ModelRunnerOutput(sampled, failed=failed)
+
+    def _slot(self, st: _State, pos: int) -> int:
+        block = st.block_ids[pos // self.block_size]
+        assert 0 < block < self.num_blocks, f"bad block id {block}"
+        return block * self.block_size + pos % self.block_size
+
+    def _run_one(self, req_id: str, n: int) -> list[int]:
+        st = self.states[req_id]
+        start, end = st.num_computed, st.num_computed + n
+        assert end <= len(st.tokens), "scheduled past the known tokens"
+        assert len(st.block_ids) * self.block_size >= end, "not enough blocks for the tokens"
+        for pos in range(start, end):  # write this step's KV
+            self.kv[self._slot(st, pos)] = (pos, st.tokens[pos])
+        for pos in range(end):  # read the whole context back through the block table
+            assert self.kv.get(self._slot(st, pos)) == (pos, st.tokens[pos]), (
+                f"{req_id}: KV at position {pos} is not the token computed there"
+            )
+        st.num_computed = end
+        if end < len(st.tokens):
+            return []  # a prefill chunk: no token yet
+        out_index = len(st.tokens) - st.prompt_len
+        token = (
+            self.eos_token_id
+            if self.eos_at.get(req_id) == out_index
+            else scripted_token(req_id, end)
+        )
+        st.tokens.append(token)
+        return [token]

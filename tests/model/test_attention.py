@@ -1,0 +1,104 @@
+"""The reference paged attention against a naive per-request, per-query loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.attention import AttentionMetadata, paged_attention, token_positions
+
+
+def _layout(rng: np.random.Generator, seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Shuffled, non-contiguous block ids (never block 0) covering each context."""
+    need = [-(-n // block_size) + int(rng.integers(0, 2)) for n in seq_lens]
+    pool = rng.permutation(np.arange(1, sum(need) * 2 + 1)).tolist()
+    out = []
+    for n in need:
+        out.append(pool[:n])
+        pool = pool[n:]
+    return out
+
+
+def _naive(q, k_ctx, v_ctx, computed, scale, window):
+    """q [q_len, Hq, D] at positions computed.., context [seq_len, Hkv, D], float64 math."""
+    group = q.shape[1] // k_ctx.shape[1]
+    out = torch.empty_like(q, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        pos = computed + i
+        lo = 0 if window is None else max(0, pos - window + 1)
+        for h in range(q.shape[1]):
+            keys = k_ctx[lo : pos + 1, h // group].double()
+            vals = v_ctx[lo : pos + 1, h // group].double()
+            weights = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
+            out[i, h] = weights @ vals
+    return out
+
+
+CASES = [
+    # (num_computed_tokens, query_lens, Hq, Hkv, head_dim, block_size, window)
+    ([0, 5, 9], [7, 3, 1], 8, 2, 64, 4, None),  # mixed prefill / chunk / decode, GQA
+    ([3, 12, 0, 6], [1, 1, 1, 1], 4, 1, 128, 4, None),  # decode fast path, MQA
+    ([0, 2], [13, 6], 4, 4, 128, 8, None),  # MHA, crossing 8-token blocks
+    ([4, 0, 17], [5, 9, 1], 6, 3, 64, 4, 5),  # sliding window
+    ([10, 1], [1, 1], 8, 2, 64, 4, 3),  # sliding window, decode path
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_paged_attention_matches_naive(case) -> None:
+    computed, q_lens, hq, hkv, dim, block_size, window = case
+    rng = np.random.default_rng(len(q_lens) * 31 + dim)
+    torch.manual_seed(int(rng.integers(0, 1 << 30)))
+    seq_lens = [c + q for c, q in zip(computed, q_lens, strict=True)]
+    blocks = _layout(rng, seq_lens, block_size)
+    num_blocks = max(max(b) for b in blocks) + 1
+    cache = torch.randn(2, num_blocks, block_size, hkv, dim)  # garbage outside the contexts
+    k_ctx = [torch.randn(n, hkv, dim) for n in seq_lens]
+    v_ctx = [torch.randn(n, hkv, dim) for n in seq_lens]
+    for b, c in enumerate(computed):  # the cached prefix, written slot by slot
+        for p in range(c):
+            block, off = blocks[b][p // block_size], p % block_size
+            cache[0, block, off], cache[1, block, off] = k_ctx[b][p], v_ctx[b][p]
+    q = torch.randn(sum(q_lens), hq, dim)
+    k = torch.cat([k_ctx[b][c:] for b, c in enumerate(computed)])
+    v = torch.cat([v_ctx[b][c:] for b, c in enumerate(computed)])
+    meta = AttentionMetadata.build(q_lens, computed, blocks, block_size, "cpu")
+    scale = dim**-0.5
+    out = paged_attention(q, k, v, cache, meta, scale, sliding_window=window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    start = 0
+    for b, (c, n) in enumerate(zip(computed, q_lens, strict=True)):
+        ref = _naive(q[start : start + n], k_ctx[b], v_ctx[b], c, scale, window)
+        torch.testing.assert_close(out[start : start + n].double(), ref, atol=1e-5, rtol=1e-5)
+        start += n
+    for b, c in enumerate(computed):  # the new tokens landed in their slots
+        for p in range(c, seq_lens[b]):
+            block, off = blocks[b][p // block_size], p % block_size
+            assert torch.equal(cache[0, block, off], k_ctx[b][p])
+            assert torch.equal(cache[1, block, off], v_ctx[b][p])
+
+
+def test_metadata_build() -> None:
+    meta = AttentionMetadata.build([3, 1, 2], [0, 5, 4], [[7, 2], [3, 9], [5, 1]], 4, "cpu")
+    assert meta.query_start_loc.tolist() == [0, 3, 4, 6]
+    assert meta.seq_lens.tolist() == [3, 6, 6]
+    assert meta.block_tables.tolist() == [[7, 2], [3, 9], [5, 1]]
+    # request 0: positions 0-2 in block 7; request 1: position 5 -> block 9 offset 1;
+    # request 2: positions 4, 5 -> block 1 offsets 0, 1
+    assert meta.slot_mapping.tolist() == [28, 29, 30, 37, 4, 5]
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.query_start_loc.dtype == meta.seq_lens.dtype == meta.block_tables.dtype
+    assert meta.block_tables.dtype == torch.int32
+    assert (meta.max_query_len, meta.max_seq_len, meta.block_size) == (3, 6, 4)
+    assert token_positions([3, 1, 2], [0, 5, 4]).tolist() == [0, 1, 2, 5, 4, 5]
+
+
+def test_metadata_pads_block_tables_with_null_block() -> None:
+    meta = AttentionMetadata.build([1, 6], [2, 0], [[4], [8, 3]], 4, "cpu")
+    assert meta.block_tables.tolist() == [[4, 0], [8, 3]]
+
+
+def test_metadata_rejects_too_few_blocks() -> None:
+    with pytest.raises(ValueError, match="blocks"):
+        AttentionMetadata.build([5], [0], [[1]], 4, "cpu")
