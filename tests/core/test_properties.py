@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import os
 
-from fakes import FakeRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fakes import FakeRunner
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from kvflow.core.request import Request
 from kvflow.engine.engine_core import EngineCore
@@ -40,7 +40,9 @@ def workloads(draw):
     max_model_len = resolve_max_model_len(cache, 10_000, None)
     budget = draw(st.integers(1, 48))
     max_seqs = draw(st.integers(1, 6))
-    prefixes = draw(st.lists(st.lists(st.integers(3, 50), min_size=1, max_size=20), min_size=1, max_size=3))
+    prefixes = draw(
+        st.lists(st.lists(st.integers(3, 50), min_size=1, max_size=20), min_size=1, max_size=3)
+    )
     reqs = []
     for i in range(draw(st.integers(1, 10))):
         prefix = draw(st.sampled_from(prefixes))
@@ -58,12 +60,18 @@ def _bound(reqs, budget: int) -> int:
     return sum(-(-(len(p) + m) // budget) + m for _, p, m, *_ in reqs)
 
 
-@settings(max_examples=int(os.environ.get("KVFLOW_PROPERTY_EXAMPLES", "2000")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("KVFLOW_PROPERTY_EXAMPLES", "2000")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(workloads())
 def test_every_request_finishes_within_the_bound_and_nothing_leaks(workload):
     cache, sched_cfg, reqs = workload
     eos = {rid: e for rid, _, _, _, _, e in reqs if e is not None}
-    engine = EngineCore(EngineConfig(cache, sched_cfg), FakeRunner(cache.block_size, cache.num_blocks, eos_at=eos))
+    engine = EngineCore(
+        EngineConfig(cache, sched_cfg), FakeRunner(cache.block_size, cache.num_blocks, eos_at=eos)
+    )
     pool = engine.scheduler.kv.pool
     live: dict[str, Request] = {}
     finished: dict[str, str] = {}

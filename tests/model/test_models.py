@@ -45,12 +45,18 @@ def _configs() -> dict[str, PretrainedConfig]:
         "llama3": LlamaConfig(
             **LLAMA_LIKE, rope_parameters=llama3_rope, attention_bias=True, mlp_bias=True
         ),
-        "llama-tied": LlamaConfig(**{**LLAMA_LIKE, "num_key_value_heads": 1}, tie_word_embeddings=True),
+        "llama-tied": LlamaConfig(
+            **{**LLAMA_LIKE, "num_key_value_heads": 1}, tie_word_embeddings=True
+        ),
         "mistral-window": MistralConfig(**LLAMA_LIKE, sliding_window=6),
         "qwen2-tied": Qwen2Config(**LLAMA_LIKE, tie_word_embeddings=True),
         # explicit head_dim (32 != 64 / 4) and a sliding-window second layer
         "qwen3": Qwen3Config(
-            **LLAMA_LIKE, head_dim=32, use_sliding_window=True, sliding_window=5, max_window_layers=1
+            **LLAMA_LIKE,
+            head_dim=32,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
         ),
         "opt": OPTConfig(**COMMON, ffn_dim=96, max_position_embeddings=64),
         # opt-350m shape: post-norm, embeddings projected in and out
@@ -64,7 +70,15 @@ def _configs() -> dict[str, PretrainedConfig]:
     }
 
 
-ARCHS = ["llama3", "llama-tied", "mistral-window", "qwen2-tied", "qwen3", "opt", "opt-postnorm-proj"]
+ARCHS = [
+    "llama3",
+    "llama-tied",
+    "mistral-window",
+    "qwen2-tied",
+    "qwen3",
+    "opt",
+    "opt-postnorm-proj",
+]
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -142,7 +156,9 @@ def test_packed_prompts(loaded) -> None:
     model, hf_config, hf = loaded
     prompts = [_prompt(2, 9), _prompt(3, 14), _prompt(4, 1)]
     blocks = [[5, 1, 13], [7, 3, 12, 10], [8]]
-    outs = _step(model, _caches(hf_config), [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)])
+    outs = _step(
+        model, _caches(hf_config), [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)]
+    )
     for prompt, logits in zip(prompts, outs, strict=True):
         torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=ATOL, rtol=RTOL)
 

@@ -132,10 +132,12 @@ def _sse_error(obj: Any) -> str | None:
 
 
 def _chunk_has_token(choice: dict[str, Any]) -> bool:
-    """A chunk carries a token unless it only closes the stream (empty text + finish_reason)."""
+    """Completions: every chunk but a closing one (empty text + finish_reason) carries a token.
+    Chat: only chunks with content do (the first one often carries just the role)."""
     delta = choice.get("delta")
-    text = (delta or {}).get("content") if delta is not None else choice.get("text")
-    return bool(text) or choice.get("finish_reason") is None
+    if delta is not None:
+        return bool(delta.get("content") or delta.get("reasoning_content"))
+    return bool(choice.get("text")) or choice.get("finish_reason") is None
 
 
 def _on_event(data: str, event: str, start: float, last: float, res: RequestResult) -> float:

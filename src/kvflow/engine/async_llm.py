@@ -29,8 +29,6 @@ from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.engine")
 
-_TERMINAL_GRACE_S = 5.0  # how long shutdown waits for consumers to read their terminal output
-
 
 class EngineUnavailableError(RuntimeError):
     """The engine admits no new request now (shutting down, or the queue is full)."""
@@ -81,9 +79,12 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._release = release
         self.finished = False
+        self.terminal_queued = False
 
     def put(self, output: RequestOutput) -> None:
-        self._queue.put_nowait(output)
+        if not self.terminal_queued:
+            self.terminal_queued = output.finished
+            self._queue.put_nowait(output)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -144,18 +145,15 @@ class AsyncEngine:
     async def shutdown(self, timeout: float) -> None:
         """Stop admitting; drain up to `timeout` s (0: none); abort the rest; stop the thread.
 
-        Every consumer gets a terminal output before this returns (or after a short grace
-        if it does not read it)."""
+        When this returns, every consumer has its terminal output queued (aborts come from the
+        engine, which frees their blocks); it does not wait for consumers to read them."""
         self._accepting = False
         if timeout > 0:
             await self._wait_released(timeout)
-        if self._streams and self._thread_alive():
-            self._post(_Abort(None))
-            await self._wait_released(_TERMINAL_GRACE_S)
-        await asyncio.to_thread(self.close)
+        await asyncio.to_thread(self.close)  # the thread aborts what still runs, then exits
         for stream in list(self._streams.values()):
-            stream.put(terminal_output(stream.request_id, stream.n, "abort"))
-        await self._wait_released(_TERMINAL_GRACE_S)
+            if not stream.terminal_queued:
+                stream.put(terminal_output(stream.request_id, stream.n, "abort"))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the engine thread (aborting whatever still runs) and join it. Idempotent;

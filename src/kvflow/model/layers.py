@@ -22,7 +22,10 @@ WeightLoader = Callable[..., None]
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Create floating-point tensors in `dtype` inside the block (restored afterwards)."""
+    """Create floating-point tensors in `dtype` inside the block (restored afterwards).
+
+    torch's default dtype is process-global: build models from one thread at a time.
+    """
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -31,12 +34,16 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+) -> None:
     """Copy a whole checkpoint tensor into `param` (shapes must match exactly)."""
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused (shard {shard_id})")
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -67,7 +74,9 @@ class MergedLinear(Linear):
         self.output_sizes = list(output_sizes)
         _attach_loaders(self, self._load_shard)
 
-    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    def _load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
         if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"fused parameter needs a shard id in 0..{len(self.output_sizes) - 1}")
         offset = sum(self.output_sizes[:shard_id])
@@ -133,7 +142,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = float(attention_scaling)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, 1, head_dim] in `dtype`, for int64 positions [T]."""
         freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -152,7 +163,9 @@ def _rope_frequencies(hf_config: object, head_dim: int) -> tuple[torch.Tensor, f
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (base**exponents), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}"
+        )
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
 
 

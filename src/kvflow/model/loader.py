@@ -116,6 +116,8 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
     with _locked(target.with_name(target.name + ".lock")):
         if (target / "config.json").is_file():
             return target
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed converter's
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             tmp.chmod(0o755)
@@ -183,7 +185,19 @@ def _gguf_source_dtype(gguf_path: Path) -> str:
 
 
 # GGUF value types with a fixed size: struct format per type id (8 = string, 9 = array).
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 
 
 def _gguf_header_value(gguf_path: Path, key: str) -> object:
@@ -313,7 +327,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 
 def _unpack(name: str, packed: dict[str, list[str]]) -> tuple[str, int | None]:
-    """"...self_attn.k_proj.weight" -> ("...self_attn.qkv_proj.weight", 1); others unchanged."""
+    """ "...self_attn.k_proj.weight" -> ("...self_attn.qkv_proj.weight", 1); others unchanged."""
     parts = name.split(".")
     for fused, shards in packed.items():
         for shard_id, shard in enumerate(shards):

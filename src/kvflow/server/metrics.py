@@ -60,8 +60,12 @@ class ServerMetrics:
             h = Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)
             return h.labels(*values)
 
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
         by_reason = Gauge(
             "vllm:num_requests_waiting_by_reason",
             "Number of requests waiting, by why they wait (capacity: blocked on KV cache "
@@ -71,12 +75,23 @@ class ServerMetrics:
         )
         self.waiting_capacity = by_reason.labels(*values, "capacity")
         self.waiting_deferred = by_reason.labels(*values, "deferred")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.stuck_failed = counter(
             "kvflow:stuck_requests_failed",
             "Requests failed because they could never be scheduled (a broken invariant).",

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP server (`kvflow serve`): protocol (schemas), serving (logic),
+routes and api_server (FastAPI, uvicorn), metrics (Prometheus), args (CLI flags)."""

@@ -1,0 +1,235 @@
+"""The `kvflow serve` process: FastAPI routes over the serving layer, the app factory, signal
+handling and `run_server(args)`.
+
+Shutdown (SIGTERM/SIGINT): stop admitting (503, /health 503) while still listening, drain for
+`--shutdown-timeout` seconds (0: none), abort the rest so every client gets a terminal answer,
+then let uvicorn close the listener and exit 0. A second signal exits at once. Engine death
+fails every request, turns /health to 503, and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvflow.engine.async_llm import AsyncEngine
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.server.args import add_serve_arguments, engine_args_from
+from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
+from kvflow.server.metrics import ServerMetrics
+from kvflow.server.routes import ServerContext, router
+from kvflow.server.serving_chat import ChatServing
+from kvflow.server.serving_completion import CompletionServing
+
+logger = logging.getLogger("kvflow.server")
+
+# After the engine has given every request its terminal output, how long uvicorn may take to
+# finish writing responses (a client that stops reading cannot hold the process longer).
+_GRACEFUL_S = 5
+
+
+class ShutdownController:
+    """Runs the graceful shutdown once, on the event loop, then tells uvicorn to exit."""
+
+    def __init__(self, engine: AsyncEngine, timeout: float) -> None:
+        self.engine = engine
+        self.timeout = timeout
+        self.exit_code = 0
+        self.server: uvicorn.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._signals = 0
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def on_signal(self, sig: int) -> None:
+        """Runs in the main thread (a signal handler): never blocks."""
+        self._signals += 1
+        if self._signals > 1:
+            logger.warning("second signal %d: exiting now", sig)
+            os._exit(128 + sig)
+        logger.info("signal %d: shutting down (--shutdown-timeout %g s)", sig, self.timeout)
+        if self._loop is None or self._loop.is_closed():
+            if self.server is not None:
+                self.server.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self.begin, 0)
+
+    def begin(self, exit_code: int) -> None:
+        if self._task is not None:
+            return
+        self.exit_code = exit_code
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            await self.engine.shutdown(self.timeout)
+        except Exception:
+            logger.exception("engine shutdown failed")
+            self.exit_code = self.exit_code or 1
+        finally:
+            if self.server is not None:
+                self.server.should_exit = True
+
+    async def watch_engine(self) -> None:
+        error = await self.engine.wait_dead()
+        logger.error("the engine is dead (%s); exiting with status 1", error)
+        self.begin(1)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, controller: ShutdownController) -> None:
+        super().__init__(config)
+        self.controller = controller
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not uvicorn's: it would close the listener at once and wait forever for in-flight
+        # requests, and re-raise the signal at exit (status -15 instead of 0).
+        self.controller.on_signal(sig)
+
+
+def build_app(
+    engine: LLMEngine,
+    args: argparse.Namespace,
+    api_key: str | None = None,
+) -> tuple[FastAPI, ShutdownController]:
+    """The app over `engine`; the engine thread starts and stops with the app's lifespan."""
+    names = args.served_model_name or [engine.model_name]
+    metrics = ServerMetrics(names[0], engine.config, args.gpu_memory_utilization)
+    async_engine = AsyncEngine(
+        engine,
+        stat_logger=metrics,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        watchdog_timeout=args.watchdog_timeout,
+    )
+    controller = ShutdownController(async_engine, args.shutdown_timeout)
+    root = args.model or args.model_tag or engine.model_name
+    common = dict(
+        served_names=list(names),
+        model_root=root,
+        request_timeout=args.request_timeout,
+        log_requests=args.enable_log_requests and not args.disable_log_requests,
+    )
+    ctx = ServerContext(
+        engine=async_engine,
+        completion=CompletionServing(async_engine, **common),
+        chat=ChatServing(async_engine, **common),
+        metrics=metrics,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        controller.attach(asyncio.get_running_loop())
+        watcher = asyncio.create_task(controller.watch_engine())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await async_engine.shutdown(0)
+
+    from kvflow import __version__
+
+    app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    app.include_router(router)
+    install_error_handlers(app)
+    install_openapi(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app, controller
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
+    cache = engine.config.cache
+    url = f"http://{args.host}:{args.port}"
+    print(
+        f"kvflow: KV cache {cache.num_blocks} blocks x {cache.block_size} tokens "
+        f"(block 0 reserved) = {cache.servable_tokens} servable tokens; "
+        f"max_model_len {engine.max_model_len}; dtype {engine.dtype_name}; device {engine.device}",
+        flush=True,
+    )
+    names = ", ".join(args.served_model_name or [engine.model_name])
+    print(f"kvflow: serving {names} at {url} (OpenAI API: {url}/v1)", flush=True)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine, serve until a signal or engine death; returns the exit status
+    (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve)."""
+    _configure_logging()
+    try:
+        engine = LLMEngine.from_args(engine_args_from(args))
+    except ValueError as exc:
+        print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    _banner(engine, args)
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLOW_API_KEY")
+    app, controller = build_app(engine, args, api_key)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=_GRACEFUL_S,
+    )
+    server = _Server(config, controller)
+    controller.server = server
+    code = None
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        controller.engine.close()
+    status = controller.exit_code if code is None else code
+    if controller.engine.threads_alive():
+        logger.error("engine thread still running after shutdown; exiting hard")
+        _exit_now(status or 1)
+    if getattr(args, "exit_fast", True):
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> None:
+    """Everything of ours is stopped and joined; skip only the interpreter's teardown of torch
+    and friends (1.5-2 s on a small CPU), so the process ends within a second of its last
+    answer. atexit handlers still run."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvflow serve")
+    add_serve_arguments(parser)
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""HTTP plumbing around the routes: the API-key guard, vLLM-shaped error responses, a true
+OpenAPI document, and an SSE response that notices a client leaving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvflow.server.protocol import STREAM_CHUNK_MODELS, ErrorResponse
+from kvflow.server.serving import EventStream, ServingError
+
+logger = logging.getLogger("kvflow.server")
+T = TypeVar("T")
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key (with --api-key)"),
+        (404, "Unknown model"),
+        (408, "The request ran past its timeout"),
+        (500, "The request failed in the engine"),
+        (503, "Shutting down, queue full, or engine dead"),
+    )
+}
+
+
+def error_json(err: ServingError) -> JSONResponse:
+    return JSONResponse(err.body().model_dump(), status_code=err.status, headers=err.headers)
+
+
+class ApiKeyMiddleware:
+    """`--api-key`: every /v1 route needs `Authorization: Bearer <key>` (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"
+            and scope["path"].startswith("/v1")
+        ):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                await error_json(ServingError("Unauthorized", 401))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"Invalid JSON body: {err.get('ctx', {}).get('error', 'cannot be parsed')}"
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "Invalid request."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def serving_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ServingError)
+        return error_json(exc)
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_json(ServingError(_validation_message(exc), 400))
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_json(ServingError(str(exc.detail), exc.status_code))
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_json(ServingError(f"Internal error: {exc}", 500))
+
+    app.add_exception_handler(ServingError, serving_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def install_openapi(app: FastAPI) -> None:
+    """FastAPI's document, made true: validation errors are 400 (not 422), and the SSE chunk
+    schemas are components the event-stream responses refer to."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in STREAM_CHUNK_MODELS:
+            chunk = model.model_json_schema(
+                ref_template="#/components/schemas/{model}", mode="serialization"
+            )
+            for name, definition in chunk.pop("$defs", {}).items():
+                components.setdefault(name, definition)
+            components[model.__name__] = chunk
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def sse_responses(chunk_model: str) -> dict[int | str, dict[str, Any]]:
+    ref = {"$ref": f"#/components/schemas/{chunk_model}"}
+    stream = {
+        200: {
+            "description": "JSON, or with `stream: true` Server-Sent Events: `data: <chunk>` "
+            "lines, an error event if the request fails mid-stream, then `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": ref}},
+        }
+    }
+    return {**stream, **ERROR_RESPONSES}
+
+
+async def _disconnected(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def with_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it if the client goes away first (then returns None).
+    Cancelling a request's consumer aborts it in the engine and frees its blocks."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if listener.cancelled() or not listener.done():
+            raise
+        logger.info("client disconnected; request aborted")
+        return None
+
+
+class SSEResponse(StreamingResponse):
+    """Streams an EventStream; a disconnect cancels the body at once (whatever the ASGI spec
+    version), and closing always aborts the requests behind it."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, stream: EventStream) -> None:
+        super().__init__(stream.body, media_type=self.media_type)
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.ensure_future(self.stream_response(send))
+        listener = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sender, listener):
+                task.cancel()
+            await asyncio.gather(sender, listener, return_exceptions=True)
+            self.stream.close()
+            await self.stream.body.aclose()  # type: ignore[attr-defined]

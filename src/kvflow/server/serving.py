@@ -1,0 +1,380 @@
+"""Request logic shared by the endpoints; knows nothing of FastAPI.
+
+Every failure a client can cause or meet is a `ServingError` (status, vLLM's error type, a
+message that names the numbers); the routes turn it into `{"error": {...}}` with that status,
+or into an SSE error event once a stream has begun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvflow.engine.async_llm import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestStream,
+)
+from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
+from kvflow.sampling_params import SamplingParams
+from kvflow.server.protocol import (
+    ChatTemplateFields,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+)
+
+logger = logging.getLogger("kvflow.server")
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class ServingError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        err_type = ERROR_TYPES.get(self.status, "BadRequestError")
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=err_type, param=self.param, code=self.status)
+        )
+
+
+def engine_error(exc: Exception) -> ServingError:
+    """ValueError -> 400; queue full or shutting down -> 503 (+ Retry-After); dead -> 503."""
+    if isinstance(exc, EngineUnavailableError):
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        return ServingError(str(exc), 503, headers=headers)
+    if isinstance(exc, EngineDeadError):
+        return ServingError(str(exc), 503)
+    return ServingError(str(exc), 400)
+
+
+def sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json(exclude_unset=True)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class EventStream:
+    """An SSE body and how to abort its requests, even if the body is never iterated."""
+
+    body: AsyncIterator[str]
+    streams: list[RequestStream]
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class ChoiceState:
+    """One choice accumulated over the deltas of a request."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[tuple[int, dict[int, Logprob]]] = field(default_factory=list)
+
+    def add(self, delta: CompletionOutput) -> list[tuple[int, dict[int, Logprob]]]:
+        """Fold one delta in; returns its (token id, logprob entry) pairs."""
+        self.text.append(delta.text)
+        self.num_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reason = str(delta.finish_reason)
+            self.stop_reason = delta.stop_reason
+        pairs = list(zip(delta.token_ids, delta.logprobs or [], strict=False))
+        self.logprobs += pairs
+        return pairs
+
+
+def usage(prompts: Sequence[Prompt], choices: dict[int, ChoiceState]) -> UsageInfo:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion_tokens = sum(c.num_tokens for c in choices.values())
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+class BaseServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_names: list[str],
+        model_root: str,
+        request_timeout: float | None = None,
+        log_requests: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.served_names = served_names
+        self.model_name = served_names[0]
+        self.model_root = model_root
+        self.request_timeout = request_timeout
+        self.log_requests = log_requests
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.served_names:
+            raise ServingError(f"The model `{model}` does not exist.", 404, param="model")
+
+    # ---- building requests -------------------------------------------------------------------
+
+    def sampling_params(
+        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        if req.use_beam_search:
+            raise ServingError("Beam search is not supported.", param="use_beam_search")
+        if req.logit_bias:
+            raise ServingError("logit_bias is not supported.", param="logit_bias")
+        if req.prompt_logprobs is not None:
+            raise ServingError("prompt_logprobs is not supported.", param="prompt_logprobs")
+        if req.stream_options is not None and not req.stream:
+            raise ServingError(
+                "Stream options can only be defined when `stream=True`.", param="stream_options"
+            )
+        try:
+            return SamplingParams(
+                n=req.n,
+                best_of=req.best_of,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0
+                if req.repetition_penalty is None
+                else req.repetition_penalty,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except (ValueError, TypeError) as exc:
+            raise ServingError(str(exc)) from exc
+
+    def token_prompt(self, token_ids: list[int]) -> Prompt:
+        try:
+            ids = self.engine.engine.tokenize_prompt(token_ids)
+        except ValueError as exc:
+            raise ServingError(str(exc), param="prompt") from exc
+        return Prompt(None, ids)
+
+    def render_chat(self, req: ChatTemplateFields) -> Prompt:
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ServingError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        messages = [self._message(m.role, m.content, m.name) for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template,
+                tools=req.tools,
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # a template error is the request's fault
+            raise ServingError(f"Could not apply the chat template: {exc}") from exc
+        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return Prompt(text, ids)
+
+    @staticmethod
+    def _message(role: str, content: Any, name: str | None) -> dict[str, Any]:
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ServingError("Only text content parts are supported.", param="messages")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if name is not None:
+            message["name"] = name
+        return message
+
+    # ---- running requests --------------------------------------------------------------------
+
+    def submit(
+        self, request_id: str, prompts: list[Prompt], params: list[SamplingParams]
+    ) -> list[RequestStream]:
+        """Validate every prompt first, then queue them all: nothing is queued for a request
+        that is refused."""
+        checked = []
+        for prompt, p in zip(prompts, params, strict=True):
+            try:
+                checked.append(self.engine.validate(prompt.token_ids, p))
+            except ValueError as exc:
+                raise ServingError(str(exc)) from exc
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, checked, strict=True)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(self.engine.add_request(rid, prompt.token_ids, p, prompt.text))
+        except (ValueError, EngineUnavailableError, EngineDeadError) as exc:
+            for stream in streams:
+                stream.abort()
+            raise engine_error(exc) from exc
+        if self.log_requests:
+            logger.info(
+                "request %s: %d prompt(s) of %s tokens, params %s",
+                request_id,
+                len(prompts),
+                [len(p.token_ids) for p in prompts],
+                checked[0],
+            )
+        return streams
+
+    async def results(
+        self, streams: list[RequestStream], timeout: float | None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta output) until every stream ends. Raises ServingError for a
+        request that failed (500), was aborted (503) or ran past its deadline (408); leaving
+        the iteration early aborts whatever still runs."""
+        timeout = timeout or self.request_timeout
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        merged = _merge(streams)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        i, output = await anext(merged)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise ServingError(
+                        f"The request exceeded its timeout of {timeout:g} s and was aborted.", 408
+                    ) from None
+                self._raise_for_failure(output)
+                yield i, output
+        finally:
+            await merged.aclose()
+            for stream in streams:
+                stream.abort()
+
+    def _raise_for_failure(self, output: RequestOutput) -> None:
+        reasons = {str(c.finish_reason) for c in output.outputs if c.finish_reason}
+        if "error" in reasons:
+            raise ServingError(output.metrics.get("error") or "The request failed.", 500)
+        if "abort" in reasons:
+            why = "the server is shutting down" if not self.engine.accepting else "it was aborted"
+            raise ServingError(f"The request was not completed: {why}.", 503)
+
+    # ---- models, tokenizer ---------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=self.model_root, max_model_len=self.max_model_len)
+                for name in self.served_names
+            ]
+        )
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = self.render_chat(req).token_ids
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        ids = self.token_prompt(req.tokens).token_ids if req.tokens else []
+        return DetokenizeResponse(prompt=self.tokenizer.decode(ids))
+
+    def token_text(self, token_id: int, entry: Logprob | None) -> str:
+        if entry is not None and entry.decoded_token is not None:
+            return entry.decoded_token
+        return self.tokenizer.decode([token_id])
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as their outputs arrive."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for output in stream:
+            queue.put_nowait((i, output))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, output = await queue.get()
+            remaining -= output.finished
+            yield i, output
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)

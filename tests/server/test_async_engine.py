@@ -1,0 +1,271 @@
+"""AsyncEngine against a real LLMEngine with a scripted runner (no model, no torch work)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from fakes import FakeRunner
+from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavailableError
+from kvflow.engine.async_stats import IterationStats
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.sampling_params import SamplingParams
+
+PROMPT = list(range(10, 20))
+
+
+class SlowRunner(FakeRunner):
+    """Each step takes `delay` seconds; `boom` makes the next step raise."""
+
+    delay: float = 0.01
+    boom: bool = False
+
+    def execute(self, sched):
+        if self.boom:
+            raise RuntimeError("injected step failure")
+        time.sleep(self.delay)
+        return super().execute(sched)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.stats: list[IterationStats] = []
+
+    def record(self, stats: IterationStats) -> None:
+        self.stats.append(stats)
+
+
+def make_engine(max_num_seqs: int = 8, **kwargs) -> tuple[AsyncEngine, SlowRunner, Recorder]:
+    cache = CacheConfig(block_size=16, num_blocks=64)
+    config = EngineConfig(cache, SchedulerConfig(256, 512, max_num_seqs))
+    runner = SlowRunner(block_size=16, num_blocks=64)
+    engine = LLMEngine(config, runner, tokenizer=None, model_name="fake", eos_token_id=2)
+    recorder = Recorder()
+    return AsyncEngine(engine, stat_logger=recorder, **kwargs), runner, recorder
+
+
+def params(max_tokens: int = 5, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True, detokenize=False)
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_generate_streams_deltas_and_records_stats():
+    async def main():
+        engine, _, recorder = make_engine()
+        engine.start()
+        outputs = [o async for o in engine.generate("r1", PROMPT, params(5, n=2))]
+        await engine.shutdown(0)
+        return engine, outputs, recorder
+
+    engine, outputs, recorder = run(main())
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    tokens = {
+        i: sum(len(c.token_ids) for o in outputs for c in o.outputs if c.index == i) for i in (0, 1)
+    }
+    assert tokens == {0: 5, 1: 5}
+    assert {str(c.finish_reason) for c in outputs[-1].outputs} <= {"length"}
+    assert sum(s.num_generation_tokens for s in recorder.stats) == 10
+    assert sum(s.num_prompt_tokens for s in recorder.stats) == len(PROMPT)
+    finished = [f for s in recorder.stats for f in s.finished]
+    assert [(f.finish_reason, f.num_generation_tokens) for f in finished] == [("length", 10)]
+    assert not engine.threads_alive()
+
+
+def test_validation_error_raises_before_anything_is_queued():
+    async def main():
+        engine, _, recorder = make_engine()
+        engine.start()
+        with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
+            engine.add_request("long", list(range(300)), params())
+        with pytest.raises(ValueError, match="too large: 500"):
+            engine.add_request("big", PROMPT, params(max_tokens=500))
+        await asyncio.sleep(0.1)
+        passes = len(recorder.stats)
+        await engine.shutdown(0)
+        return engine, passes
+
+    engine, passes = run(main())
+    assert passes == 0, "a refused request must not reach the engine thread"
+    assert engine.stats().num_waiting == 0
+
+
+def test_idle_engine_sleeps_instead_of_stepping():
+    async def main():
+        engine, _, recorder = make_engine()
+        engine.start()
+        _ = [o async for o in engine.generate("r1", PROMPT, params(3))]
+        await asyncio.sleep(0.05)
+        before = (len(recorder.stats), engine.engine.stats().num_steps)
+        cpu0 = time.process_time()
+        await asyncio.sleep(0.5)
+        after = (len(recorder.stats), engine.engine.stats().num_steps)
+        cpu = time.process_time() - cpu0
+        await engine.shutdown(0)
+        return before, after, cpu
+
+    before, after, cpu = run(main())
+    assert before == after, "the engine loop woke up while idle"
+    assert cpu < 0.1
+
+
+def test_closing_the_iterator_aborts_and_frees_blocks():
+    async def main():
+        engine, _, _ = make_engine()
+        engine.start()
+        gen = engine.generate("r1", PROMPT, params(200))
+        seen = 0
+        async for _ in gen:
+            seen += 1
+            if seen == 3:
+                break
+        await gen.aclose()
+        await wait_until(lambda: engine.stats().num_running == 0, timeout=1.0)
+        stats = engine.stats()
+        await engine.shutdown(0)
+        return stats
+
+    stats = run(main())
+    assert stats.kv_cache_usage == 0.0 and stats.num_waiting == 0
+
+
+def test_cancelled_consumer_aborts():
+    async def main():
+        engine, _, _ = make_engine()
+        engine.start()
+
+        async def consume():
+            async for _ in engine.generate("r1", PROMPT, params(200)):
+                pass
+
+        task = asyncio.create_task(consume())
+        await wait_until(lambda: engine.stats().num_running == 1)
+        task.cancel()
+        await wait_until(lambda: engine.stats().num_running == 0, timeout=1.0)
+        usage = engine.stats().kv_cache_usage
+        await engine.shutdown(0)
+        return usage
+
+    assert run(main()) == 0.0
+
+
+def test_shutdown_zero_aborts_in_flight_and_refuses_new():
+    async def main():
+        engine, _, _ = make_engine()
+        engine.start()
+        stream = engine.add_request("r1", PROMPT, params(200))
+        await wait_until(lambda: engine.stats().num_running == 1)
+        t0 = time.monotonic()
+        await engine.shutdown(0)
+        elapsed = time.monotonic() - t0
+        outputs = [o async for o in stream]
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            engine.add_request("r2", PROMPT, params())
+        return engine, outputs, elapsed
+
+    engine, outputs, elapsed = run(main())
+    assert outputs[-1].finished
+    assert str(outputs[-1].outputs[-1].finish_reason) == "abort"
+    assert elapsed < 2.0
+    assert not engine.threads_alive()
+    assert not engine.is_healthy
+
+
+def test_shutdown_with_timeout_drains_in_flight():
+    async def main():
+        engine, _, _ = make_engine()
+        engine.start()
+        stream = engine.add_request("r1", PROMPT, params(30))
+        collected = asyncio.create_task(_collect(stream))
+        await wait_until(lambda: engine.stats().num_running == 1)
+        shutdown = asyncio.create_task(engine.shutdown(30))
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineUnavailableError):
+            engine.add_request("r2", PROMPT, params())
+        outputs = await collected
+        await shutdown
+        return outputs
+
+    outputs = run(main())
+    assert str(outputs[-1].outputs[-1].finish_reason) == "length"
+    assert sum(len(c.token_ids) for o in outputs for c in o.outputs) == 30
+
+
+async def _collect(stream):
+    return [o async for o in stream]
+
+
+def test_step_exception_fails_every_request_and_marks_dead():
+    async def main():
+        engine, runner, _ = make_engine()
+        engine.start()
+        streams = [engine.add_request(f"r{i}", PROMPT, params(200)) for i in range(3)]
+        await wait_until(lambda: engine.stats().num_running == 3)
+        runner.boom = True
+        error = await asyncio.wait_for(engine.wait_dead(), 5)
+        results = [await _collect(s) for s in streams]
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", PROMPT, params())
+        healthy = engine.is_healthy
+        await engine.shutdown(0)
+        return engine, error, results, healthy
+
+    engine, error, results, healthy = run(main())
+    assert "injected step failure" in error
+    for outputs in results:
+        last = outputs[-1]
+        assert last.finished and str(last.outputs[-1].finish_reason) == "error"
+        assert "injected step failure" in last.metrics["error"]
+    assert not healthy and not engine.threads_alive()
+
+
+def test_max_num_queued_reqs_refuses_with_retry_after():
+    async def main():
+        engine, _, _ = make_engine(max_num_seqs=1, max_num_queued_reqs=1)
+        engine.start()
+        first = engine.add_request("r1", PROMPT, params(200))
+        await wait_until(lambda: engine.stats().num_running == 1)
+        second = engine.add_request("r2", PROMPT, params(3))
+        with pytest.raises(EngineUnavailableError) as info:
+            engine.add_request("r3", PROMPT, params(3))
+        first.abort()
+        done = await _collect(second)
+        await engine.shutdown(0)
+        return info.value, done
+
+    err, done = run(main())
+    assert err.retry_after == 1 and "--max-num-queued-reqs" in str(err)
+    assert str(done[-1].outputs[-1].finish_reason) == "length"
+
+
+def test_watchdog_marks_a_long_step_unhealthy(caplog):
+    async def main():
+        engine, runner, _ = make_engine(watchdog_timeout=0.2)
+        runner.delay = 0.6
+        engine.start()
+        stream = engine.add_request("r1", PROMPT, params(2))
+        await wait_until(lambda: engine.stalled, timeout=2.0)
+        healthy_during = engine.is_healthy
+        await _collect(stream)
+        healthy_after = engine.is_healthy
+        await engine.shutdown(0)
+        return healthy_during, healthy_after
+
+    with caplog.at_level("WARNING", logger="kvflow.engine"):
+        during, after = run(main())
+    assert not during and after
+    assert any("--watchdog-timeout" in r.message for r in caplog.records)
+    assert not any(t.name.startswith("kvflow-") for t in threading.enumerate())

@@ -1,0 +1,140 @@
+"""POST /v1/completions end to end: the official client and raw HTTP against the real server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+CAPITAL = "The capital of France is"
+CAPITAL_IDS = [504, 3575, 282, 4649, 314]  # the embedded tokenizer, no BOS
+
+
+def greedy(client, prompt=CAPITAL, **kwargs):
+    return client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, temperature=0, **kwargs
+    )
+
+
+def test_greedy_capital_and_usage(client):
+    out = greedy(client, max_tokens=2)
+    choice = out.choices[0]
+    assert choice.text == " Paris."
+    assert choice.finish_reason == "length"
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 2)
+    assert out.usage.total_tokens == 7
+
+
+def test_model_may_be_omitted_and_max_tokens_defaults_to_16(server):
+    body = {"prompt": CAPITAL, "temperature": 0, "ignore_eos": True}
+    data = server.post("/v1/completions", body).json()
+    assert data["model"] == "SmolLM2-135M-Instruct"
+    assert data["usage"]["completion_tokens"] == 16
+
+
+def test_token_id_prompts_match_text_prompts(client):
+    by_text = greedy(client, max_tokens=3).choices[0].text
+    assert greedy(client, prompt=CAPITAL_IDS, max_tokens=3).choices[0].text == by_text
+    both = greedy(client, prompt=[CAPITAL_IDS, CAPITAL_IDS], max_tokens=3)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [by_text, by_text]
+    assert both.usage.prompt_tokens == 10
+
+
+def test_list_of_prompts_with_n_counts_usage_exactly(server, client):
+    prompts = [CAPITAL, "Hello, my name is"]
+    counts = [server.post("/tokenize", {"prompt": p}).json()["count"] for p in prompts]
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=prompts,
+        n=2,
+        max_tokens=3,
+        temperature=0.8,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.prompt_tokens == sum(counts)
+    assert out.usage.completion_tokens == 4 * 3
+    assert out.usage.total_tokens == sum(counts) + 12
+
+
+def test_echo_prepends_the_prompt(client):
+    out = greedy(client, max_tokens=2, echo=True)
+    assert out.choices[0].text == CAPITAL + " Paris."
+    ids = greedy(client, prompt=CAPITAL_IDS, max_tokens=2, echo=True)
+    assert ids.choices[0].text == CAPITAL + " Paris."
+
+
+def test_logprobs_in_the_completions_format(client):
+    out = greedy(client, max_tokens=4, logprobs=2)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0.0
+        assert 1 <= len(top) <= 3 and token in top
+        assert max(top.values()) == value  # greedy: the sampled token is the most likely
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    full = greedy(client, max_tokens=4).choices[0].text
+    assert full.startswith(" Paris.")
+    out = greedy(client, max_tokens=4, stop=["."])
+    choice = out.choices[0]
+    assert choice.text == " Paris"
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra.get("stop_reason") == "."
+    kept = greedy(client, max_tokens=4, stop=["."], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == " Paris."
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed):
+        out = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="Once upon a time",
+            max_tokens=8,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        return out.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({sample(s) for s in (1, 2, 3)} | {first}) > 1
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(client):
+    expected = greedy(client, max_tokens=6, extra_body={"ignore_eos": True})
+    stream = greedy(
+        client,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == 5
+
+
+def test_raw_sse_framing_ends_with_done(server):
+    body = {"prompt": CAPITAL, "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    server.received.extend(("stream", "/v1/completions", 200, c) for c in chunks)
