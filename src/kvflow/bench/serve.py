@@ -142,8 +142,11 @@ def _chunk_has_token(choice: dict[str, Any]) -> bool:
 
 def _on_event(data: str, event: str, start: float, last: float, res: RequestResult) -> float:
     """Fold one SSE data payload into `res`; returns the time of the latest token chunk."""
+    if event == "error":
+        res.error = f"SSE error: {data}"[:300]
+        return last
     obj = json.loads(data)
-    message = _sse_error(obj) if event != "error" else f"SSE error: {data}"[:300]
+    message = _sse_error(obj)
     if message is not None:
         res.error = message
         return last

@@ -15,6 +15,7 @@ engine death).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -53,7 +54,7 @@ class _Add:
 
 @dataclass(frozen=True)
 class _Abort:
-    request_ids: list[str] | None  # None: every live request
+    request_ids: list[str]
 
 
 def terminal_output(
@@ -259,9 +260,19 @@ class AsyncEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
+        """Abort a request from outside its consumer, which then reads a terminal output
+        (finish_reason "abort"). A consumer leaving uses `RequestStream.abort()` instead."""
         stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.abort()
+        if stream is None:
+            return
+        if self._thread_alive():
+            self._post(_Abort([request_id]))
+        else:
+            stream.put(terminal_output(request_id, stream.n, "abort"))
+
+    def request_ids(self) -> list[str]:
+        """Requests whose consumer has not yet read their terminal output."""
+        return list(self._streams)
 
     def _release(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
@@ -276,10 +287,8 @@ class AsyncEngine:
             self._cond.notify()
 
     async def _wait_released(self, timeout: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._released.wait(), timeout)
-        except TimeoutError:
-            pass
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -303,7 +312,7 @@ class AsyncEngine:
 
     def _iterate(self) -> bool:
         with self._cond:
-            while not self._inbox and not self._stopping and not self._has_work():
+            while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
                 self._cond.wait()
             commands, self._inbox = self._inbox, []
             stopping = self._stopping
@@ -311,7 +320,7 @@ class AsyncEngine:
         step_start = None
         if stopping:
             outputs += self.engine.abort_request(self._tracker.live())
-        elif self._has_work():
+        elif self.engine.has_unfinished_requests():
             step_start = time.monotonic()
             if self._watchdog is not None:
                 self._watchdog.begin()
@@ -324,15 +333,12 @@ class AsyncEngine:
         self._publish(outputs, step_start, num_adds)
         return not stopping
 
-    def _has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
-
     def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for cmd in commands:
             if isinstance(cmd, _Abort):
-                ids = self._tracker.live() if cmd.request_ids is None else cmd.request_ids
-                outputs += self.engine.abort_request([i for i in ids if i in self._tracker])
+                ids = [i for i in cmd.request_ids if i in self._tracker]
+                outputs += self.engine.abort_request(ids)
                 continue
             n_prompt = len(cmd.prompt_token_ids)
             self._tracker.arrive(cmd.request_id, cmd.params.n, n_prompt, cmd.arrival)
@@ -387,9 +393,6 @@ class AsyncEngine:
 
     def _call_loop(self, fn: Callable, *args: object) -> None:
         loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            pass  # the loop closed between the check and the call
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed since the check
+                loop.call_soon_threadsafe(fn, *args)

@@ -80,6 +80,8 @@ class ShutdownController:
             logger.exception("engine shutdown failed")
             self.exit_code = self.exit_code or 1
         finally:
+            if self.engine.dead_error is not None:
+                self.exit_code = 1
             if self.server is not None:
                 self.server.should_exit = True
 

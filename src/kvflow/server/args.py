@@ -38,12 +38,15 @@ def parse_max_model_len(text: str) -> int:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = parser
+    """The `kvflow serve` flags (vLLM's spellings) on `parser`; returns it."""
+    _add_engine_flags(parser)
+    _add_server_flags(parser)
+    return parser
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, help="model (HF directory or .gguf)")
     p.add_argument("--model", default=None, help="same as the positional MODEL")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -67,6 +70,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a file or an inline Jinja template")
+    p.add_argument(
+        "--log-engine-steps",
+        action="store_true",
+        default=os.environ.get("KVFLOW_LOG_ENGINE_STEPS") == "1",
+        help="one log line per engine step (also KVFLOW_LOG_ENGINE_STEPS=1)",
+    )
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--api-key", default=None, help="guards /v1/* (also $VLLM_API_KEY)")
     p.add_argument(
         "--shutdown-timeout",
@@ -76,12 +91,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--log-engine-steps",
-        action="store_true",
-        default=os.environ.get("KVFLOW_LOG_ENGINE_STEPS") == "1",
-        help="one log line per engine step (also KVFLOW_LOG_ENGINE_STEPS=1)",
-    )
     p.add_argument("--max-num-queued-reqs", type=int, default=None, help="503 beyond this")
     p.add_argument(
         "--watchdog-timeout",
@@ -98,7 +107,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
-    return parser
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -121,6 +129,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_queued_reqs=args.max_num_queued_reqs,  # enforced at admission by AsyncEngine
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         chat_template=args.chat_template,

@@ -8,6 +8,8 @@ when it happens, not when some output mentions it) and from the step's outputs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -48,18 +50,8 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class ServerMetrics:
     def __init__(self, model_name: str, config: EngineConfig, gpu_memory_utilization: float):
         self.registry = CollectorRegistry()
-        values = (model_name, "0")
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, _LABELS, registry=self.registry).labels(*values)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, _LABELS, registry=self.registry).labels(*values)
-
-        def histogram(name: str, doc: str, buckets: list) -> Histogram:
-            h = Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)
-            return h.labels(*values)
-
+        self._values = (model_name, "0")
+        gauge, counter = self._gauge, self._counter
         self.running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
         )
@@ -73,8 +65,8 @@ class ServerMetrics:
             [*_LABELS, "reason"],
             registry=self.registry,
         )
-        self.waiting_capacity = by_reason.labels(*values, "capacity")
-        self.waiting_deferred = by_reason.labels(*values, "deferred")
+        self.waiting_capacity = by_reason.labels(*self._values, "capacity")
+        self.waiting_deferred = by_reason.labels(*self._values, "deferred")
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
@@ -96,19 +88,29 @@ class ServerMetrics:
             "kvflow:stuck_requests_failed",
             "Requests failed because they could never be scheduled (a broken invariant).",
         )
-        success = Counter(
+        self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*_LABELS, "finished_reason"],
             registry=self.registry,
         )
-        self.success = {r: success.labels(*values, r) for r in _FINISH_REASONS}
-        self._success_base = success
-        self._values = values
-        self._histograms(histogram, config.max_model_len)
+        for reason in _FINISH_REASONS:
+            self._success.labels(*self._values, reason)
+        self._histograms(config.max_model_len)
         self._cache_info(config, gpu_memory_utilization)
 
-    def _histograms(self, histogram, max_model_len: int) -> None:
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, _LABELS, registry=self.registry).labels(*self._values)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, _LABELS, registry=self.registry).labels(*self._values)
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        h = Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)
+        return h.labels(*self._values)
+
+    def _histograms(self, max_model_len: int) -> None:
+        histogram = self._histogram
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
@@ -183,10 +185,7 @@ class ServerMetrics:
         for itl in stats.inter_token_latencies:
             self.itl.observe(itl)
         for done in stats.finished:
-            success = self.success.get(done.finish_reason)
-            if success is None:
-                success = self._success_base.labels(*self._values, done.finish_reason)
-            success.inc()
+            self._success.labels(*self._values, done.finish_reason).inc()
             self.e2e.observe(done.e2e_latency)
             self.queue_time.observe(done.queued_time)
             self.request_prompt_tokens.observe(done.num_prompt_tokens)

@@ -14,6 +14,7 @@ from kvflow.server.protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    UsageInfo,
     now,
     random_id,
 )
@@ -205,7 +206,7 @@ class _Run:
         )
         return self._chunk_base([choice], None)
 
-    def _chunk_base(self, choices: list, usage_info) -> CompletionStreamResponse:
+    def _chunk_base(self, choices: list, usage_info: UsageInfo | None) -> CompletionStreamResponse:
         chunk = CompletionStreamResponse(
             id=self.id,
             object="text_completion",

@@ -1,0 +1,160 @@
+"""Helpers for end-to-end tests: the real server as a subprocess on 127.0.0.1, /metrics
+scraping, polling.
+
+The first start converts the embedded GGUF model into ~/.cache/kvflow (up to a minute); later
+starts reuse it. JSON answers fetched through `ServerProc.get/post` are recorded so
+test_openapi can check them against /openapi.json.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+GEOMETRY = ["--dtype", "float32", "--num-blocks", "128", "--block-size", "16"]
+MAX_MODEL_LEN = 1024
+START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProc:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    received: list[tuple[str, str, int, object]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, api_key: str = "EMPTY", timeout: float = 60.0) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=timeout
+        )
+
+    def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
+        """POST JSON and remember the answer for the OpenAPI check."""
+        response = httpx.post(f"{self.url}{path}", json=body, timeout=60.0, **kwargs)
+        self.record("post", path, response)
+        return response
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        response = httpx.get(f"{self.url}{path}", timeout=30.0, **kwargs)
+        self.record("get", path, response)
+        return response
+
+    def record(self, method: str, path: str, response: httpx.Response) -> None:
+        if response.headers.get("content-type", "").startswith("application/json"):
+            self.received.append((method, path, response.status_code, response.json()))
+
+    def signal(self, sig: int = signal.SIGTERM) -> float:
+        sent = time.monotonic()
+        self.proc.send_signal(sig)
+        return sent
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def start_server(*extra: str, geometry: list[str] | None = None) -> ServerProc:
+    port = free_port()
+    fd, log_name = tempfile.mkstemp(prefix="kvflow-server-", suffix=".log")
+    os.close(fd)
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvflow.server.api_server",
+        "--port",
+        str(port),
+        *(geometry or [*GEOMETRY, "--max-model-len", str(MAX_MODEL_LEN)]),
+        "--uvicorn-log-level",
+        "warning",
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_name, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProc(proc, port, Path(log_name))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{server.log()[-3000:]}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.kill()
+    pytest.fail(f"server did not become healthy:\n{server.log()[-3000:]}")
+
+
+# ---- /metrics ------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class Metrics:
+    text: str
+    samples: dict[tuple[str, frozenset], float]
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum over the samples of `name` whose labels include `labels`."""
+        want = set(labels.items())
+        found = [v for (n, ls), v in self.samples.items() if n == name and want <= ls]
+        assert found, f"no sample {name}{labels}"
+        return sum(found)
+
+    def type_of(self, name: str) -> str | None:
+        match = re.search(rf"^# TYPE {re.escape(name)} (\w+)$", self.text, re.MULTILINE)
+        return match.group(1) if match else None
+
+
+def scrape(server: ServerProc) -> Metrics:
+    text = httpx.get(f"{server.url}/metrics", timeout=30.0).text
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            labels = frozenset(_LABEL.findall(match.group(2) or ""))
+            samples[(match.group(1), labels)] = float(match.group(3))
+    return Metrics(text, samples)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05) -> float:
+    """Poll until predicate() is true; returns the seconds it took (fails on timeout)."""
+    start = time.monotonic()
+    while True:
+        if predicate():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
