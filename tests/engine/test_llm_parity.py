@@ -164,3 +164,19 @@ def test_chat_uses_the_template(llm):
     )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_refused_prompt_queues_nothing_and_max_tokens_defaults_to_the_context():
+    llm = LLM(None, dtype="float32", num_blocks=5, block_size=16)  # C = 64 = max_model_len
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+        llm.generate(["Hi", "word " * 80], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(
+        ValueError, match=r"'max_tokens' or 'max_completion_tokens' is too large: 70"
+    ):
+        llm.generate("The capital of France is", SamplingParams(max_tokens=70))
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=None, ignore_eos=True))
+    c = out[0].outputs[0]
+    assert len(c.token_ids) == 64 - 5 and c.finish_reason == "length"
+    assert llm.engine.stats().kv_cache_usage == 0.0

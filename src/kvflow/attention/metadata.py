@@ -13,7 +13,7 @@ The token at position p lives in slot `block_ids[b][p // block_size] * block_siz
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Per-step values every layer would otherwise rebuild (masks, gather indices): filled by the
+    # backend on first use, shared by all layers of the step.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_reqs(self) -> int:

@@ -49,13 +49,33 @@ def paged_attention(
     if meta.num_reqs == 0:
         return q.new_empty(q.shape)
     keys, values = _gather_context(kv_cache, meta)
-    seq_lens = meta.seq_lens.long()
-    if meta.max_query_len == 1:  # decode only: T == B, each query at position seq_len - 1
-        mask = _visible((seq_lens - 1)[:, None], seq_lens, keys.shape[2], sliding_window)
+    group = q.shape[1] // keys.shape[1]
+    key = ("mask", sliding_window, group)
+    if key not in meta.memo:
+        meta.memo[key] = _step_mask(q, meta, keys.shape[2], sliding_window, group)
+    mask, req, local = meta.memo[key]
+    if meta.max_query_len == 1:  # decode only: T == B, one query row per request
         return _grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
-    padded, query_pos, req, local = _pad_queries(q, meta)
-    mask = _visible(query_pos, seq_lens, keys.shape[2], sliding_window)
+    padded = q.new_zeros(meta.num_reqs, meta.max_query_len, *q.shape[1:])
+    padded[req, local] = q
     return _grouped_sdpa(padded, keys, values, mask, scale)[req, local]
+
+
+def _step_mask(
+    q: torch.Tensor, meta: AttentionMetadata, length: int, sliding_window: int | None, group: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mask [B, 1, Q*group, L] for the folded GQA rows, token -> request, token -> row).
+
+    The same for every layer of a step, so it is built once and kept in `meta.memo`.
+    """
+    seq_lens = meta.seq_lens.long()
+    if meta.max_query_len == 1:
+        mask = _visible((seq_lens - 1)[:, None], seq_lens, length, sliding_window)
+        req = local = None
+    else:
+        req, local, query_pos = _query_rows(q, meta)
+        mask = _visible(query_pos, seq_lens, length, sliding_window)
+    return mask.repeat_interleave(group, dim=1)[:, None], req, local
 
 
 def _gather_context(
@@ -73,10 +93,10 @@ def _gather_context(
     return gathered[0], gathered[1]
 
 
-def _pad_queries(
+def _query_rows(
     q: torch.Tensor, meta: AttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(queries [B, Q, Hq, D], their positions [B, Q], and per token its request and row).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per token its request and row in the padded [B, Q] queries, query positions [B, Q]).
 
     Padding rows copy the last real query's position so that no row is fully masked (no NaN).
     """
@@ -88,12 +108,10 @@ def _pad_queries(
         torch.arange(num_reqs, device=q.device), q_lens, output_size=num_tokens
     )
     local = torch.arange(num_tokens, device=q.device) - starts[req]
-    padded = q.new_zeros(num_reqs, max_q, *q.shape[1:])
-    padded[req, local] = q
     seq_lens = meta.seq_lens.long()
     rows = torch.arange(max_q, device=q.device)[None, :]
     query_pos = torch.minimum((seq_lens - q_lens)[:, None] + rows, (seq_lens - 1)[:, None])
-    return padded, query_pos, req, local
+    return req, local, query_pos
 
 
 def _visible(
@@ -115,7 +133,8 @@ def _grouped_sdpa(
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """queries [B, Q, Hq, D] over keys/values [B, Hkv, L, D] -> [B, Q, Hq, D].
+    """queries [B, Q, Hq, D] over keys/values [B, Hkv, L, D] -> [B, Q, Hq, D]; mask is the
+    folded [B, 1, Q*g, L] one from `_step_mask`.
 
     GQA: query head h uses KV head h // g (g = Hq / Hkv), as transformers' repeat_kv. Instead
     of copying each KV head g times, the g query heads of a group become g extra query rows
@@ -128,7 +147,6 @@ def _grouped_sdpa(
     group = num_heads // num_kv_heads
     folded = queries.reshape(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     folded = folded.reshape(batch, num_kv_heads, max_q * group, head_dim)
-    mask = mask.repeat_interleave(group, dim=1)[:, None]
     out = F.scaled_dot_product_attention(
         folded, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=mask, scale=scale
     )

@@ -51,11 +51,15 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
         order = []
-        for prompt, p in zip(prompts, params_list, strict=True):
-            text, token_ids = self._prompt(prompt)
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, token_ids, p, prompt=text)
-            order.append(request_id)
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                text, token_ids = self._prompt(prompt)
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, token_ids, p, prompt=text)
+                order.append(request_id)
+        except ValueError:
+            self.engine.abort_request(order)  # all or nothing: drop what was already queued
+            raise
         return self._run(order, use_tqdm)
 
     def chat(

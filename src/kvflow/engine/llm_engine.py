@@ -115,7 +115,7 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request (n choices share its prompt). Raises ValueError."""
         params = self.validate(prompt_token_ids, params)
-        if request_id in self.output_processor.live_request_ids():
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         for child_id in self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, params

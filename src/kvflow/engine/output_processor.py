@@ -65,6 +65,9 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         return [] if parent is None else list(parent.choices)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
     def live_request_ids(self) -> list[str]:
         return list(self._parents)
 

@@ -52,12 +52,58 @@ def _attach_loaders(module: nn.Module, loader: WeightLoader) -> None:
         param.weight_loader = loader  # type: ignore[attr-defined]
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a bf16 CPU weight [out, in], or None where it does not apply.
+
+    torch's plain bf16 matmul on CPU re-lays the weight out on every call; a pre-packed weight
+    skips that (measured 1.5-2.5x faster per projection, bit-identical results). The packing is
+    checked against F.linear once, so a CPU or build without it silently keeps the plain path.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        probe = torch.randn(3, weight.shape[1], dtype=weight.dtype)
+        same = torch.equal(linear(probe, weight, None, packed), F.linear(probe, weight))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+    return packed if same else None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
+    """x [T, in] @ weight.T (+ bias), through the pre-packed weight when there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def prepack_for_cpu(model: nn.Module) -> int:
+    """Pack every Linear's weight (and the logits head's) for oneDNN; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = pack_weight(module.weight)
+            count += module.packed is not None
+    if hasattr(model, "logits_weight"):
+        model.head_packed = pack_weight(model.logits_weight())
+        count += model.head_packed is not None
+    return count
+
+
 class Linear(nn.Linear):
     """nn.Linear without random init; its parameters load whole checkpoint tensors."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         _attach_loaders(self, default_weight_loader)
+        self.packed: torch.Tensor | None = None  # set by prepack_for_cpu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
 
     def reset_parameters(self) -> None:
         """Left uninitialised on purpose: the loader overwrites every parameter."""
@@ -117,10 +163,8 @@ class RMSNorm(nn.Module):
         _attach_loaders(self, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """One fused op (normalised in float32, as transformers does, then scaled)."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention import AttentionBackend, AttentionMetadata
@@ -31,6 +30,7 @@ from kvflow.model.layers import (
     RotaryEmbedding,
     activation,
     apply_rotary,
+    linear,
 )
 
 
@@ -90,13 +90,18 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        heads = self.num_heads + self.num_kv_heads
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q, k, v.reshape(tokens, self.num_kv_heads, self.head_dim), kv_cache, meta)
+            q, k, v = self.qkv_proj.split(qkv)
+            q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))
+            qk = torch.cat((q, k), dim=1)
+        else:  # q and k are adjacent in the fused output: rotate both in one pass
+            qk = qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim)
+        qk = apply_rotary(qk, cos, sin)
+        v = qkv[:, heads * self.head_dim :].reshape(tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, meta)
         return self.o_proj(out)
 
 
@@ -176,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         )
+        self.head_packed: torch.Tensor | None = None  # set by prepack_for_cpu
 
     @classmethod
     def flavor(cls, cfg: Any) -> Flavor:
@@ -200,10 +206,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions int64 [T], one cache per layer -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    def logits_weight(self) -> torch.Tensor:
+        """The [vocab, hidden] matrix that turns hidden states into logits (tied or not)."""
+        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        return linear(hidden, self.logits_weight(), None, self.head_packed).float()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention import AttentionBackend, AttentionMetadata
@@ -21,6 +20,7 @@ from kvflow.model.layers import (
     MergedLinear,
     PagedAttention,
     activation,
+    linear,
 )
 
 # OPT's position table has two extra leading rows: position p reads row p + 2.
@@ -132,6 +132,7 @@ class OPTForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else Linear(config.word_embed_proj_dim, config.vocab_size)
         )
+        self.head_packed: torch.Tensor | None = None  # set by prepack_for_cpu
 
     def checkpoint_name(self, name: str) -> str | None:
         """Old OPT checkpoints omit the leading "model."; the tied head is not loaded."""
@@ -149,7 +150,10 @@ class OPTForCausalLM(nn.Module):
         """input_ids/positions int64 [T] -> hidden states [T, word_embed_proj_dim]."""
         return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
 
+    def logits_weight(self) -> torch.Tensor:
+        """The [vocab, hidden] matrix that turns hidden states into logits (tied or not)."""
+        return (self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head).weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, word_embed_proj_dim] -> float32 logits [N, vocab]."""
-        head = self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        return linear(hidden, self.logits_weight(), None, self.head_packed).float()

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from kvflow.model.layers import prepack_for_cpu
 from kvflow.model.loader import (
     allocate_kv_caches,
     kv_cache_shape,
@@ -16,6 +17,7 @@ from kvflow.model.loader import (
     resolve_dtype,
     resolve_model,
 )
+from kvflow.worker.faults import FaultPlan
 from kvflow.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kvflow.engine")
@@ -77,12 +79,20 @@ def build_engine(cls, args, log_steps: bool):
     cache = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
     requested = None if args.max_model_len in (None, -1) else args.max_model_len
     max_model_len = resolve_max_model_len(cache, model_context_len(hf_config), requested)
+    faults = FaultPlan.from_env()  # None unless a test sets $KVFLOW_FAULT
+    if faults is not None:
+        max_model_len = faults.max_model_len(max_model_len)
     batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, 1)
     scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
     model, hf_config = load_model(path, dtype, device)
+    if device == "cpu":
+        prepack_for_cpu(model)
     kv_caches = allocate_kv_caches(hf_config, num_blocks, args.block_size, dtype, device)
     eos = tokenizer.eos_token_id
     runner = ModelRunner(model, kv_caches, args.block_size, hf_config.vocab_size, eos, device)
+    if faults is not None:
+        logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
+        runner = faults.wrap(runner)
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
     logger.info(
         "KV cache: %d blocks x %d tokens = %d servable tokens; max_model_len %d; dtype %s; device %s",
