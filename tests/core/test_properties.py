@@ -8,6 +8,11 @@ recompute) plus M_i decode steps. Summing over requests bounds the steps of the 
 
     steps <= sum_i (ceil((P_i + M_i) / B) + M_i)      (B = max_num_batched_tokens)
 
+The queue head. In every step that leaves a request waiting, the head waits for a reason: the
+step preempted (the waiting half is skipped), the token budget or max_num_seqs is used up, or
+its blocks (less its prefix hits) exceed the allocatable ones. `HeadCheckingRunner` checks this
+at each step, when the scheduler's state is exactly what `schedule()` left.
+
 Preemptions of a request R: R is preempted only when a request that is not younger than R lacks a
 block, which cannot happen while R's elders hold nothing (R fits alone). So in every step that
 preempts R some older request is running, and the oldest running one computes at least one token
@@ -19,14 +24,46 @@ in it. Hence R is preempted at most as often as its elders compute tokens:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakes import FakeRunner
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from kvflow.core.kv_cache_manager import cdiv
+from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
 from kvflow.core.request import Request
+from kvflow.core.scheduler import Scheduler
 from kvflow.engine.engine_core import EngineCore
+
+
+@dataclass
+class HeadCheckingRunner(FakeRunner):
+    """The fake runner, plus: no step leaves the queue head waiting while it fits."""
+
+    scheduler: Scheduler | None = None
+    heads_checked: int = 0
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_head(sched)
+        return super().execute(sched)
+
+    def _check_head(self, sched: SchedulerOutput) -> None:
+        sch = self.scheduler
+        assert sch is not None
+        if not sch.waiting or sched.num_preemptions:
+            return
+        left = sch.config.max_num_batched_tokens - sched.total_num_scheduled_tokens
+        if left <= 0 or len(sch.running) >= sch.config.max_num_seqs:
+            return
+        head = sch.waiting[0]
+        hits, num_hit = sch.kv.get_computed_blocks(head)
+        n = min(head.num_tokens - num_hit, left)
+        need = cdiv(num_hit + n, self.block_size) - len(hits)
+        allocatable = sch.kv.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+        assert need > allocatable, f"{head.request_id} fits ({need} <= {allocatable}) but waits"
+        self.heads_checked += 1
 
 
 @st.composite
@@ -69,9 +106,9 @@ def _bound(reqs, budget: int) -> int:
 def test_every_request_finishes_within_the_bound_and_nothing_leaks(workload):
     cache, sched_cfg, reqs = workload
     eos = {rid: e for rid, _, _, _, _, e in reqs if e is not None}
-    engine = EngineCore(
-        EngineConfig(cache, sched_cfg), FakeRunner(cache.block_size, cache.num_blocks, eos_at=eos)
-    )
+    runner = HeadCheckingRunner(cache.block_size, cache.num_blocks, eos_at=eos)
+    engine = EngineCore(EngineConfig(cache, sched_cfg), runner)
+    runner.scheduler = engine.scheduler
     pool = engine.scheduler.kv.pool
     live: dict[str, Request] = {}
     finished: dict[str, str] = {}

@@ -235,6 +235,25 @@ def test_max_num_queued_reqs_refuses_with_retry_after():
     assert str(done[-1].outputs[-1].finish_reason) == "length"
 
 
+def test_queue_limit_counts_only_requests_that_will_wait():
+    """A burst into free running slots does not queue: with --max-num-queued-reqs 0 an idle
+    engine still runs max_num_seqs requests, and refuses only the one that would wait."""
+
+    async def main():
+        engine, _, _ = make_engine(max_num_seqs=2, max_num_queued_reqs=0)
+        engine.start()
+        try:
+            streams = [engine.add_request(f"r{i}", PROMPT, params(3)) for i in range(2)]
+            with pytest.raises(EngineUnavailableError):
+                engine.add_request("r2", PROMPT, params(3))
+            return [await _collect(s) for s in streams]
+        finally:
+            await engine.shutdown(0)
+
+    for outputs in run(main()):
+        assert str(outputs[-1].outputs[-1].finish_reason) == "length"
+
+
 def test_watchdog_marks_a_long_step_unhealthy(caplog):
     async def main():
         engine, runner, _ = make_engine(watchdog_timeout=0.2)

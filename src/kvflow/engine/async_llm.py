@@ -57,17 +57,11 @@ class _Abort:
     request_ids: list[str]
 
 
-def terminal_output(
-    request_id: str,
-    n: int,
-    reason: str,
-    error: str | None = None,
-    prompt_ids: list[int] | None = None,
-) -> RequestOutput:
+def terminal_output(req_id: str, n: int, reason: str, error: str | None = None) -> RequestOutput:
     """A finished output with no new tokens, for requests ended outside the engine's step."""
     outs = [CompletionOutput(i, "", [], finish_reason=reason) for i in range(n)]
     metrics = {"error": error} if error else {}
-    return RequestOutput(request_id, None, prompt_ids or [], outs, True, metrics=metrics)
+    return RequestOutput(req_id, None, [], outs, True, metrics=metrics)
 
 
 class RequestStream:
@@ -228,7 +222,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         with self._cond:
             limit = self.max_num_queued_reqs
-            if limit is not None and self._latest.num_waiting + self._pending_adds >= limit:
+            if limit is not None and self._num_queued(adding=1) > limit:
                 raise EngineUnavailableError(
                     f"The request queue is full ({limit} requests waiting, "
                     "--max-num-queued-reqs). Retry later.",
@@ -280,6 +274,13 @@ class AsyncEngine:
             self._post(_Abort([request_id]))
         if not self._streams:
             self._released.set()
+
+    def _num_queued(self, adding: int) -> int:
+        """Waiting requests once `adding` more arrive: adds the engine has not seen yet wait
+        too, beyond the free running slots (a burst into an idle engine does not queue)."""
+        stats, seqs = self._latest, self.engine.config.scheduler.max_num_seqs
+        free = 0 if stats.num_waiting else max(seqs - stats.num_running, 0)
+        return stats.num_waiting + max(self._pending_adds + adding - free, 0)
 
     def _post(self, command: _Add | _Abort) -> None:
         with self._cond:

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
@@ -37,6 +38,8 @@ logger = logging.getLogger("kvflow.server")
 # After the engine has given every request its terminal output, how long uvicorn may take to
 # finish writing responses (a client that stops reading cannot hold the process longer).
 _GRACEFUL_S = 5
+# After a signal during start-up, how long the interrupted loading may take to unwind.
+_INTERRUPT_GRACE_S = 3.0
 
 
 class ShutdownController:
@@ -175,17 +178,39 @@ def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
     print(f"kvflow: serving {names} at {url} (OpenAI API: {url}/v1)", flush=True)
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Load the engine, serve until a signal or engine death; returns the exit status
-    (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve)."""
-    _configure_logging()
-    try:
-        engine = LLMEngine.from_args(engine_args_from(args))
-    except ValueError as exc:
-        print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT during start-up, raised in the main thread so that whatever is being
+    built unwinds (a GGUF conversion removes its temporary directory) before the exit."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StartUpSignals:
+    """Until the server takes the signals over: the first SIGTERM/SIGINT interrupts the
+    start-up, with a hard exit `_INTERRUPT_GRACE_S` later in case library code stalls or
+    swallows the interruption; a second signal exits at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+        timer = threading.Timer(_INTERRUPT_GRACE_S, os._exit, (128 + signum,))
+        timer.daemon = True
+        timer.start()
+        raise _Interrupted(signum)
+
+
+def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
     _banner(engine, args)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLOW_API_KEY")
     app, controller = build_app(engine, args, api_key)
@@ -200,6 +225,34 @@ def run_server(args: argparse.Namespace) -> int:
     )
     server = _Server(config, controller)
     controller.server = server
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn installs its own handlers while it serves and restores these afterwards.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: controller.on_signal(signum))
+    return server
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine, serve until a signal or engine death; returns the exit status
+    (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve,
+    128 + signal for a signal before the server was up)."""
+    _configure_logging()
+    signals = _StartUpSignals()
+    signals.install()
+    try:
+        engine = LLMEngine.from_args(engine_args_from(args))
+        server = _build_server(engine, args)
+        if signals.signum is not None:  # the interruption was swallowed on the way
+            raise _Interrupted(signals.signum)
+    except BaseException as exc:
+        if signals.signum is not None:  # whatever the interruption turned into
+            logger.info("signal %d during start-up: exiting", signals.signum)
+            return _finish(128 + signals.signum, args)
+        if isinstance(exc, ValueError):
+            print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        raise
+    controller = server.controller
     code = None
     try:
         server.run()
@@ -211,6 +264,10 @@ def run_server(args: argparse.Namespace) -> int:
     if controller.engine.threads_alive():
         logger.error("engine thread still running after shutdown; exiting hard")
         _exit_now(status or 1)
+    return _finish(status, args)
+
+
+def _finish(status: int, args: argparse.Namespace) -> int:
     if getattr(args, "exit_fast", True):
         _exit_now(status)
     return status
