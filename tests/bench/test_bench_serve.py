@@ -14,7 +14,7 @@ import pytest
 from kvflow.bench import free_port, running_server, serve
 
 MAX_MODEL_LEN = 512
-STARTUP_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 300.0
 METRICS = ("ttft", "tpot", "itl", "e2el")
 FIELDS = (
     "date",
