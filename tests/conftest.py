@@ -1,4 +1,5 @@
-"""Shared test set-up: make tests/ importable for small helper modules (fakes.py)."""
+"""Shared test set-up: make tests/ importable for small helper modules (fakes.py), and skip
+tests marked `gpu` where CUDA is not available."""
 
 from __future__ import annotations
 
@@ -17,3 +18,16 @@ def _embedded_model_converted() -> None:
     from kvflow.model.loader import resolve_model
 
     resolve_model(None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu_items:
+        item.add_marker(skip)

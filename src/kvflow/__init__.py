@@ -6,6 +6,15 @@ importable without torch.
 
 from __future__ import annotations
 
+import os
+
+# torch's OpenMP threads spin while they wait for work by default. When another thread or
+# process wants the same cores (the HTTP thread, a client on the machine), a spinning or
+# descheduled team member stalls every parallel region: measured 2.2x fewer tokens/s at
+# concurrency 1 and 2.6x at 8 on 2 cores (benchmarks/RESULTS.md). Sleeping waits cost
+# microseconds per region instead. Read when torch first loads, so set here; $OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 

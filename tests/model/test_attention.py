@@ -1,4 +1,4 @@
-"""The reference paged attention against a naive per-request, per-query loop."""
+"""The reference paged attention and the CPU backend against a naive per-request, per-query loop."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from kvflow.attention import AttentionMetadata, paged_attention, token_positions
+from kvflow.attention.cpu import cpu_paged_attention
+from kvflow.model import cpu_kernels
 
 
 def _layout(rng: np.random.Generator, seq_lens: list[int], block_size: int) -> list[list[int]]:
@@ -45,38 +47,60 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_paged_attention_matches_naive(case) -> None:
+NATIVE_CASES = [  # decode-only steps, which the CPU backend runs in the native kernel
+    ([0, 16, 31, 2], [1, 1, 1, 1], 9, 3, 64, 16, None),  # SmolLM2's heads, block boundaries
+    ([5, 0, 40], [1, 1, 1], 4, 4, 128, 3, None),  # block size not a power of two
+    ([7, 20], [1, 1], 8, 2, 32, 1, None),  # one-token blocks
+    ([30, 3, 11], [1, 1, 1], 8, 2, 64, 16, 6),  # sliding window
+]
+
+
+def _check_backend(case, backend, dtype, tol: float) -> None:
+    """Run `backend` on random inputs for `case` and compare with the naive float64 loop."""
     computed, q_lens, hq, hkv, dim, block_size, window = case
-    rng = np.random.default_rng(len(q_lens) * 31 + dim)
+    rng = np.random.default_rng(len(q_lens) * 31 + dim + block_size)
     torch.manual_seed(int(rng.integers(0, 1 << 30)))
     seq_lens = [c + q for c, q in zip(computed, q_lens, strict=True)]
     blocks = _layout(rng, seq_lens, block_size)
     num_blocks = max(max(b) for b in blocks) + 1
-    cache = torch.randn(2, num_blocks, block_size, hkv, dim)  # garbage outside the contexts
-    k_ctx = [torch.randn(n, hkv, dim) for n in seq_lens]
-    v_ctx = [torch.randn(n, hkv, dim) for n in seq_lens]
+    # garbage outside the contexts: NaN must not leak from slots no request owns
+    cache = torch.full((2, num_blocks, block_size, hkv, dim), float("nan"), dtype=dtype)
+    k_ctx = [torch.randn(n, hkv, dim).to(dtype) for n in seq_lens]
+    v_ctx = [torch.randn(n, hkv, dim).to(dtype) for n in seq_lens]
     for b, c in enumerate(computed):  # the cached prefix, written slot by slot
         for p in range(c):
             block, off = blocks[b][p // block_size], p % block_size
             cache[0, block, off], cache[1, block, off] = k_ctx[b][p], v_ctx[b][p]
-    q = torch.randn(sum(q_lens), hq, dim)
+    q = torch.randn(sum(q_lens), hq, dim).to(dtype)
     k = torch.cat([k_ctx[b][c:] for b, c in enumerate(computed)])
     v = torch.cat([v_ctx[b][c:] for b, c in enumerate(computed)])
     meta = AttentionMetadata.build(q_lens, computed, blocks, block_size, "cpu")
     scale = dim**-0.5
-    out = paged_attention(q, k, v, cache, meta, scale, sliding_window=window)
+    out = backend(q, k, v, cache, meta, scale, sliding_window=window)
     assert out.shape == q.shape and out.dtype == q.dtype
     start = 0
     for b, (c, n) in enumerate(zip(computed, q_lens, strict=True)):
         ref = _naive(q[start : start + n], k_ctx[b], v_ctx[b], c, scale, window)
-        torch.testing.assert_close(out[start : start + n].double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[start : start + n].double(), ref, atol=tol, rtol=tol)
         start += n
     for b, c in enumerate(computed):  # the new tokens landed in their slots
         for p in range(c, seq_lens[b]):
             block, off = blocks[b][p // block_size], p % block_size
             assert torch.equal(cache[0, block, off], k_ctx[b][p])
             assert torch.equal(cache[1, block, off], v_ctx[b][p])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_paged_attention_matches_naive(case) -> None:
+    _check_backend(case, paged_attention, torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize("case", CASES + NATIVE_CASES)
+def test_cpu_backend_matches_naive_in_bf16(case) -> None:
+    """Decode-only cases run the native kernel, the others the reference; both within bf16
+    rounding of the float64 answer (inputs are bf16 already, so only the output rounds)."""
+    assert cpu_kernels.native_available(), "the native kernels should build on this machine"
+    _check_backend(case, cpu_paged_attention, torch.bfloat16, 2e-2)
 
 
 def test_metadata_build() -> None:

@@ -88,7 +88,14 @@ def _gather_context(
     two, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     # index_select on flattened blocks: an order of magnitude faster than kv_cache[:, table] on CPU
     gathered = kv_cache.view(two, num_blocks, -1).index_select(1, table)
-    gathered = gathered.view(two, num_reqs, blocks_used * block_size, num_kv_heads, head_dim)
+    length = blocks_used * block_size
+    gathered = gathered.view(two, num_reqs, length, num_kv_heads, head_dim)
+    # Slots past a request's context (a block's stale tail, the null block) may hold anything,
+    # NaN included, and a masked NaN still poisons the softmax (0 * NaN): zero them.
+    if "stale" not in meta.memo:
+        keys = torch.arange(length, device=kv_cache.device)
+        meta.memo["stale"] = (keys[None, :] >= meta.seq_lens[:, None])[None, :, :, None, None]
+    gathered.masked_fill_(meta.memo["stale"], 0)
     gathered = gathered.transpose(2, 3)
     return gathered[0], gathered[1]
 

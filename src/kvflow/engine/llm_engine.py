@@ -36,6 +36,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_queued_reqs: int | None = None
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: no graphs, every step eager (the CPU always is)
     seed: int = 0
     chat_template: str | None = None
     log_engine_steps: bool = False

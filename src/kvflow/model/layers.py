@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention import AttentionBackend, AttentionMetadata, paged_attention
+from kvflow.model import cpu_kernels
 
 WeightLoader = Callable[..., None]
 
@@ -73,23 +74,34 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    native: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, in] @ weight.T (+ bias), through the pre-packed weight when there is one."""
+    """x [T, in] @ weight.T (+ bias): small batches through the native kernel's packed weight
+    when there is one (bound by reading the weight once), larger ones through oneDNN's
+    pre-packed weight (faster once the matmul is compute-bound), else F.linear."""
+    if native is not None and x.shape[0] <= cpu_kernels.linear_max_rows():
+        return cpu_kernels.bf16_linear(x, native, bias, weight.shape[0])
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 def prepack_for_cpu(model: nn.Module) -> int:
-    """Pack every Linear's weight (and the logits head's) for oneDNN; returns how many."""
+    """Pack every Linear's weight (and the logits head's) for oneDNN and for the native kernel
+    (each where it applies); returns how many weights got a oneDNN packing."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed = pack_weight(module.weight)
+            module.native = cpu_kernels.pack_linear_weight(module.weight)
             count += module.packed is not None
     if hasattr(model, "logits_weight"):
         model.head_packed = pack_weight(model.logits_weight())
+        model.head_native = cpu_kernels.pack_linear_weight(model.logits_weight())
         count += model.head_packed is not None
     return count
 
@@ -101,9 +113,10 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         _attach_loaders(self, default_weight_loader)
         self.packed: torch.Tensor | None = None  # set by prepack_for_cpu
+        self.native: torch.Tensor | None = None  # set by prepack_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.native)
 
     def reset_parameters(self) -> None:
         """Left uninitialised on purpose: the loader overwrites every parameter."""
@@ -162,9 +175,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         _attach_loaders(self, default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One fused op (normalised in float32, as transformers does, then scaled)."""
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual): the pre-norm residual
+        stream, added and normalised in one pass (in place into `residual` on the native path).
+        Normalised in float32 as transformers does, then scaled."""
+        if cpu_kernels.applies(x, self.weight) and (residual is None or residual.is_contiguous()):
+            return (
+                cpu_kernels.rms_norm(x, self.weight, self.eps)
+                if residual is None
+                else (cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual)
+            )
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        residual = x + residual
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -214,7 +240,10 @@ def _rope_frequencies(hf_config: object, head_dim: int) -> tuple[torch.Tensor, f
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by position: x * cos + rotate_half(x) * sin (halves, not pairs)."""
+    """x [T, H, D] rotated by position: x * cos + rotate_half(x) * sin (halves, not pairs).
+    bf16 on the CPU rotates x in place (one native call instead of six ops)."""
+    if cpu_kernels.applies(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return cpu_kernels.rotary_(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

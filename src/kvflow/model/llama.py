@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention import AttentionBackend, AttentionMetadata
+from kvflow.model import cpu_kernels
 from kvflow.model.layers import (
     Embedding,
     Linear,
@@ -114,7 +116,10 @@ class LlamaMLP(nn.Module):
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and cpu_kernels.applies(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -131,14 +136,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next layer (or the
+        final norm) adds the two. The first layer gets residual None and hidden = embeddings."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        attn = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -160,9 +172,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
             None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         )
         self.head_packed: torch.Tensor | None = None  # set by prepack_for_cpu
+        self.head_native: torch.Tensor | None = None  # set by prepack_for_cpu
 
     @classmethod
     def flavor(cls, cfg: Any) -> Flavor:
@@ -212,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return linear(hidden, self.logits_weight(), None, self.head_packed).float()
+        weight = self.logits_weight()
+        return linear(hidden, weight, None, self.head_packed, self.head_native).float()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -133,6 +133,7 @@ class OPTForCausalLM(nn.Module):
             else Linear(config.word_embed_proj_dim, config.vocab_size)
         )
         self.head_packed: torch.Tensor | None = None  # set by prepack_for_cpu
+        self.head_native: torch.Tensor | None = None  # set by prepack_for_cpu
 
     def checkpoint_name(self, name: str) -> str | None:
         """Old OPT checkpoints omit the leading "model."; the tied head is not loaded."""
@@ -156,4 +157,5 @@ class OPTForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, word_embed_proj_dim] -> float32 logits [N, vocab]."""
-        return linear(hidden, self.logits_weight(), None, self.head_packed).float()
+        weight = self.logits_weight()
+        return linear(hidden, weight, None, self.head_packed, self.head_native).float()

@@ -68,6 +68,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step eagerly (no CUDA graphs for decode batches)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a file or an inline Jinja template")
     p.add_argument(
@@ -131,6 +136,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_queued_reqs=args.max_num_queued_reqs,  # enforced at admission by AsyncEngine
         enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
         chat_template=args.chat_template,
         log_engine_steps=args.log_engine_steps,

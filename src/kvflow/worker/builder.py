@@ -7,7 +7,10 @@ from pathlib import Path
 
 import torch
 
+from kvflow.attention import AttentionBackend, AttentionMetadata, token_positions
+from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from kvflow.model import cpu_kernels
 from kvflow.model.layers import prepack_for_cpu
 from kvflow.model.loader import (
     allocate_kv_caches,
@@ -17,13 +20,17 @@ from kvflow.model.loader import (
     resolve_dtype,
     resolve_model,
 )
+from kvflow.sampling_params import SamplingParams
+from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.sampler import SamplingMetadata, sample
 
 logger = logging.getLogger("kvflow.engine")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30  # bytes, like vLLM's CPU default
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+GIB = 1 << 30
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -32,18 +39,107 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
-def resolve_num_blocks(args, hf_config, dtype: torch.dtype, device: str) -> int:
+def needs_profile(args, device: str) -> bool:
+    """Whether the KV pool is sized from --gpu-memory-utilization (and so needs `profile_step`)."""
+    return device.startswith("cuda") and args.num_blocks is None and args.kv_cache_memory is None
+
+
+def resolve_num_blocks(
+    args, hf_config, dtype: torch.dtype, device: str, step_bytes: int | None = None
+) -> int:
+    """--num-blocks; else --kv-cache-memory; else on CUDA what --gpu-memory-utilization leaves
+    of the device after `step_bytes` (`profile_step`); else the CPU default."""
     if args.num_blocks is not None:
         return args.num_blocks
     per_block = kv_bytes_per_block(hf_config, args.block_size, dtype)
     if args.kv_cache_memory is not None:
         budget = args.kv_cache_memory
     elif device.startswith("cuda"):
-        free, total = torch.cuda.mem_get_info()
-        budget = int(free - total * (1 - args.gpu_memory_utilization))
+        assert step_bytes is not None, "profile_step first"
+        _, total = torch.cuda.mem_get_info()
+        budget = int(total * args.gpu_memory_utilization) - step_bytes
+        logger.info(
+            "GPU memory: %.2f GiB x utilization %.2f - %.2f GiB for weights, one step and "
+            "memory outside torch = %.2f GiB for the KV cache",
+            total / GIB,
+            args.gpu_memory_utilization,
+            step_bytes / GIB,
+            budget / GIB,
+        )
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
     return max(budget // per_block, 0)
+
+
+def profile_step(
+    model: torch.nn.Module, hf_config, num_tokens: int, num_seqs: int, block_size: int, dtype
+) -> int:
+    """Bytes of device memory that are not the KV cache at the worst step (CUDA).
+
+    Runs one step of `num_tokens` tokens (max_num_batched_tokens) split over min(num_seqs,
+    num_tokens) requests on a throwaway KV cache, then their logits and the costliest sampler
+    path (penalties, top-k + top-p sort, logprobs). The result is torch's peak allocation (the
+    weights included) less that throwaway cache, plus what the device holds outside torch's
+    allocator (CUDA context, other processes), measured afterwards.
+    """
+    device = next(model.parameters()).device
+    num_reqs = max(1, min(num_seqs, num_tokens))
+    q_lens = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
+    blocks, next_block = [], 1  # block 0 is the null block, as in the real pool
+    for q in q_lens:
+        count = -(-q // block_size)
+        blocks.append(list(range(next_block, next_block + count)))
+        next_block += count
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    kv_caches = allocate_kv_caches(hf_config, next_block, block_size, dtype, device)
+    cache_bytes = sum(c.numel() * c.element_size() for c in kv_caches)
+    computed = [0] * num_reqs
+    params = SamplingParams(
+        temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, logprobs=20
+    )
+    with torch.inference_mode():
+        meta = AttentionMetadata.build(q_lens, computed, blocks, block_size, device)
+        positions = torch.from_numpy(token_positions(q_lens, computed)).to(device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        hidden = model(ids, positions, kv_caches, meta)
+        ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
+        logits = model.compute_logits(hidden[ends])
+        sampling = SamplingMetadata.build(
+            [params] * num_reqs,
+            [[0] * q for q in q_lens],
+            [[] for _ in q_lens],
+            [None] * num_reqs,
+            None,
+            hf_config.vocab_size,
+            device,
+        )
+        sample(logits, sampling).sampled.tolist()
+        del hidden, logits, meta, kv_caches
+    peak = torch.cuda.max_memory_allocated(device) - cache_bytes
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = max(total - free - torch.cuda.memory_reserved(device), 0)
+    logger.info(
+        "profiled a %d-token step of %d requests: peak %.2f GiB allocated (weights included), "
+        "%.2f GiB outside torch",
+        num_tokens,
+        num_reqs,
+        peak / GIB,
+        outside_torch / GIB,
+    )
+    return peak + outside_torch
+
+
+def attention_backend(device: str) -> AttentionBackend:
+    """The Triton kernel on CUDA (imported here: triton is absent from CPU installs), the CPU
+    backend on the CPU."""
+    if device.startswith("cuda"):
+        from kvflow.attention.triton_attn import triton_paged_attention
+
+        return triton_paged_attention
+    return cpu_paged_attention
 
 
 def model_context_len(hf_config) -> int:
@@ -75,21 +171,39 @@ def build_engine(cls, args, log_steps: bool):
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     dtype = resolve_dtype(args.dtype, hf_config, device)
-    num_blocks = resolve_num_blocks(args, hf_config, dtype, device)
+    batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, 1)
+    backend = attention_backend(device)
+    model = step_bytes = None
+    if needs_profile(args, device):  # the KV pool gets what the weights and one step leave
+        model, hf_config = load_model(path, dtype, device, attn_backend=backend)
+        step_bytes = profile_step(
+            model, hf_config, batched, args.max_num_seqs, args.block_size, dtype
+        )
+    num_blocks = resolve_num_blocks(args, hf_config, dtype, device, step_bytes)
     cache = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
     requested = None if args.max_model_len in (None, -1) else args.max_model_len
     max_model_len = resolve_max_model_len(cache, model_context_len(hf_config), requested)
     faults = FaultPlan.from_env()  # None unless a test sets $KVFLOW_FAULT
     if faults is not None:
         max_model_len = faults.max_model_len(max_model_len)
-    batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, 1)
     scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
-    model, hf_config = load_model(path, dtype, device)
+    if model is None:
+        model, hf_config = load_model(path, dtype, device, attn_backend=backend)
     if device == "cpu":
         prepack_for_cpu(model)
+        native = cpu_kernels.native_available()  # builds them now, not on the first request
+        logger.info("native CPU kernels: %s", "on" if native else "off (torch paths)")
     kv_caches = allocate_kv_caches(hf_config, num_blocks, args.block_size, dtype, device)
+    graphs = None
+    if device.startswith("cuda") and not args.enforce_eager:
+        graphs = DecodeGraphs(
+            model, kv_caches, args.block_size, max_model_len, args.max_num_seqs, device
+        )
+        graphs.capture()
     eos = tokenizer.eos_token_id
-    runner = ModelRunner(model, kv_caches, args.block_size, hf_config.vocab_size, eos, device)
+    runner = ModelRunner(
+        model, kv_caches, args.block_size, hf_config.vocab_size, eos, device, graphs
+    )
     if faults is not None:
         logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
         runner = faults.wrap(runner)

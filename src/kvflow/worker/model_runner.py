@@ -10,6 +10,7 @@ import torch
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
+from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.sampler import SamplingMetadata, sample
 
 
@@ -47,6 +48,7 @@ class ModelRunner:
         vocab_size: int,
         eos_token_id: int | None,
         device: str = "cpu",
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -55,6 +57,9 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.device = torch.device(device)
         self.requests: dict[str, CachedRequestState] = {}
+        # Decode-only steps that fit its largest bucket run through it (CUDA graphs); None
+        # (the CPU, --enforce-eager): every step is one eager forward.
+        self.decode_graphs = decode_graphs
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -102,35 +107,47 @@ class ModelRunner:
         for s, n, c in zip(states, query_lens, computed, strict=True):
             input_ids.extend(s.token_slice(c, n))
             positions.extend(range(c, c + n))
-        meta = AttentionMetadata.build(
-            query_lens, computed, [s.block_ids for s in states], self.block_size, self.device
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
-            meta,
-        )
-        # Rows that complete their request's known tokens produce the next token.
+        # Rows that complete their request's known tokens produce the next token. What the
+        # sampler needs goes to the device before the forward is queued: on a GPU a host ->
+        # device copy waits for the stream, so made after the forward it would stall the host
+        # until the forward ended.
         sample_rows = [
             i
             for i, (s, n, c) in enumerate(zip(states, query_lens, computed, strict=True))
             if c + n == s.num_tokens
         ]
+        sample_ids = [req_ids[i] for i in sample_rows]
+        logit_rows = None  # every token's row is sampled (decode steps): no gather needed
+        if sample_rows:
+            if len(sample_rows) < len(input_ids):
+                ends = torch.tensor(query_lens).cumsum(0) - 1
+                logit_rows = ends[sample_rows].to(self.device)
+            sampling = self._sampling_metadata(sample_ids)
+        graphs = self.decode_graphs
+        decode_only = len(input_ids) == len(req_ids)  # one token per request
+        if graphs is not None and decode_only and graphs.fits(len(req_ids)):
+            hidden = graphs.run(input_ids, positions, [s.block_ids for s in states])
+        else:
+            meta = AttentionMetadata.build(
+                query_lens, computed, [s.block_ids for s in states], self.block_size, self.device
+            )
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.kv_caches,
+                meta,
+            )
         for s, n in zip(states, query_lens, strict=True):
             s.num_computed_tokens += n
         sampled: dict[str, list[int]] = {r: [] for r in req_ids}
         if not sample_rows:
             return ModelRunnerOutput(sampled)
-        ends = torch.tensor(query_lens).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[ends[sample_rows].to(self.device)])
-        return self._sample(logits, [req_ids[i] for i in sample_rows], sampled)
+        logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
+        return self._sample(logits, sample_ids, sampled, sampling)
 
-    def _sample(
-        self, logits: torch.Tensor, req_ids: list[str], sampled: dict[str, list[int]]
-    ) -> ModelRunnerOutput:
+    def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
         states = [self.requests[r] for r in req_ids]
-        meta = SamplingMetadata.build(
+        return SamplingMetadata.build(
             [s.params for s in states],
             [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states],
@@ -139,6 +156,19 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        sampled: dict[str, list[int]],
+        meta: SamplingMetadata | None = None,
+    ) -> ModelRunnerOutput:
+        """Sample row i of `logits` for req_ids[i]; `meta` is built here when not given."""
+        states = [self.requests[r] for r in req_ids]
+        if meta is None:
+            meta = self._sampling_metadata(req_ids)
+        # The step's first device -> host copy (the sampled ids); bad rows and logprobs follow.
         out = sample(logits, meta)
         token_ids = out.sampled.tolist()
         failed = {}

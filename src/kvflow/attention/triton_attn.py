@@ -1,0 +1,177 @@
+"""Paged attention as one varlen Triton kernel: same signature and semantics as `torch_ref`.
+
+The step's k/v are stored at their slots first (`write_kv_cache`, one `index_copy_` each), then
+one kernel launch attends every scheduled token, prefill chunks and decodes alike.
+
+Grid `(num_tiles, Hkv)`: a program takes one *query tile* of one request (up to BLOCK_Q
+consecutive query tokens of that request) and one KV head, and with it the G = Hq / Hkv query
+heads that share that KV head, so each K/V tile is loaded once per group. Its BLOCK_M rows are
+
+    row r  ->  query token  tile_start + r // GP  of the request,  query head  kv_head * G + r % GP
+
+(GP = G rounded up to a power of two; rows of missing tokens or heads are masked out).
+
+Varlen mapping: request b has ceil(q_len[b] / BLOCK_Q) tiles. Once per step, torch ops turn the
+cumulative tile counts into `tile_req` / `tile_start` (program id -> request, first query token),
+kept in `meta.memo` for all layers. The grid size must be known without reading q_len back
+from the device, so it is the bound B + T // BLOCK_Q (sum of ceil(q/BQ) <= sum of q//BQ + 1);
+spare programs find `tile_req == -1` and return at once.
+
+Key loop: a program walks its request's context by token position, BLOCK_N keys at a time, from
+the first key any of its queries can see (0, or the sliding window's start) to its last query's
+position. Key position p is read through the block table at block p // block_size, offset
+p % block_size, so any block size works. Keys at or beyond seq_len are never loaded (masked
+loads), so stale slots and the null block cannot leak in, even as NaN. Scores use an online
+softmax in float32 (base 2); the output is cast to q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.torch_ref import write_kv_cache
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_req_ptr, tile_start_ptr,
+    qk_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    if req < 0:  # spare program of the upper-bound grid
+        return
+    tile_start = tl.load(tile_start_ptr + tile)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    first_pos = seq_len - q_len + tile_start  # context position of the tile's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    token = tile_start + rows // GROUP_PAD  # query token within the request
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (token < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = first_pos + rows // GROUP_PAD
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    q_offsets = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+
+    key_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the tile's last query
+    key_start = 0
+    if HAS_WINDOW:
+        key_start = tl.maximum(first_pos - window + 1, 0)
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_table
+    for n_start in range(key_start, key_end, BLOCK_N):
+        k_pos = n_start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < key_end
+        block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = (
+            block * stride_cache_block
+            + (k_pos % BLOCK_SIZE) * stride_cache_offset
+            + kv_head * stride_cache_head
+        )
+        kv_mask = k_ok[:, None] & dim_ok[None, :]
+        kv_offsets = slot[:, None] + dims[None, :]  # [BLOCK_N, HEAD_PAD]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _query_tiles(meta: AttentionMetadata, num_tokens: int, block_q: int) -> tuple:
+    """(tile_req, tile_start) int32 [B + T // block_q]: each program's request (-1: spare) and
+    first query token within it. Built with device ops (no sync), once per step and tile size."""
+    key = ("triton_query_tiles", block_q)
+    if key not in meta.memo:
+        starts = meta.query_start_loc.long()
+        tiles = (starts[1:] - starts[:-1] + block_q - 1) // block_q
+        ends = torch.cumsum(tiles, 0)
+        ids = torch.arange(meta.num_reqs + num_tokens // block_q, device=starts.device)
+        req = torch.searchsorted(ends, ids, right=True)
+        clamped = req.clamp(max=meta.num_reqs - 1)
+        tile_start = (ids - (ends - tiles)[clamped]) * block_q
+        tile_req = torch.where(req < meta.num_reqs, req, -1)
+        meta.memo[key] = (tile_req.to(torch.int32), tile_start.to(torch.int32))
+    return meta.memo[key]
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Drop-in for `torch_ref.paged_attention`: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.num_reqs == 0 or q.shape[0] == 0:
+        return out
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in the head dimension")
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    # tl.dot wants >= 16 rows; aim for ~64 rows (query tokens x group heads) per program.
+    q_tokens = min(triton.next_power_of_2(meta.max_query_len), max(1, 64 // group_pad))
+    block_m = max(16, group_pad * q_tokens)
+    block_q = block_m // group_pad
+    tile_req, tile_start = _query_tiles(meta, num_tokens, block_q)
+    block_table = meta.block_tables
+    grid = (tile_req.shape[0], num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, out, kv_cache[0], kv_cache[1],
+        block_table, meta.query_start_loc, meta.seq_lens, tile_req, tile_start,
+        scale * _LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=32 if head_pad > 128 else 64, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_SIZE=meta.block_size, HAS_WINDOW=sliding_window is not None,
+    )  # fmt: skip
+    return out

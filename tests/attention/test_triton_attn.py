@@ -1,0 +1,184 @@
+"""The Triton paged-attention backend against the torch reference (`torch_ref.paged_attention`).
+
+Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU),
+so shapes are small. Every case poisons the cache slots outside the requests' contexts (the
+null block, spare blocks, slots past seq_len) with NaN for the Triton call: masking by seq_len
+must keep them out. The reference reads the same cache with finite garbage in those slots
+instead, so the comparison does not hang on how the reference treats NaN in masked slots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+triton = pytest.importorskip("triton")
+
+from kvflow.attention import AttentionMetadata, paged_attention  # noqa: E402
+from kvflow.attention.triton_attn import triton_paged_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _patch_interpreter() -> None:
+    """Work around two bugs of triton 3.6's interpreter, outside the kernel it checks.
+
+    - numpy >= 2.4 refuses int() of a 1-element 1-d array, which is how the interpreter holds
+      scalars, so `range(start, stop)` with runtime bounds fails (triton#9171, fixed after 3.6).
+    - `tl.dot` of bfloat16 multiplies the raw uint16 bit patterns the interpreter stores bf16
+      as (triton#11584); widen them to float32 first (exact, as the GPU's MMA products are).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def _patch_lang_tensor(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def _widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def _create_dot(self, a, b, *args):
+        return create_dot(self, _widen(a), _widen(b), *args)
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+    interpreter.InterpreterBuilder.create_dot = _create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter()
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed, cache_dtype=None):
+    """Random q/k/v, metadata with shuffled block ids (never block 0, some spare blocks), and
+    the cache twice: with finite garbage outside the contexts, and with NaN there instead."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(computed, q_lens, strict=True)]
+    need = [-(-n // block_size) + (b % 2) for b, n in enumerate(seq_lens)]  # odd b: a spare
+    pool = (torch.randperm(sum(need) + 3, generator=gen) + 1).tolist()
+    blocks = []
+    for n in need:
+        blocks.append(pool[:n])
+        pool = pool[n:]
+    num_blocks = sum(need) + 4
+    cache_dtype = cache_dtype or dtype
+    shape = (2, num_blocks, block_size, hkv, dim)
+    garbage = torch.randn(shape, generator=gen).to(cache_dtype)
+    unused = torch.ones(shape, dtype=torch.bool)
+    for ids, n in zip(blocks, seq_lens, strict=True):
+        for p in range(n):
+            unused[:, ids[p // block_size], p % block_size] = False
+    num_tokens = sum(q_lens)
+    q = torch.randn(num_tokens, hq, dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, hkv, dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, hkv, dim, generator=gen).to(dtype)
+    meta = AttentionMetadata.build(q_lens, computed, blocks, block_size, DEVICE)
+    poisoned = garbage.masked_fill(unused, float("nan"))
+    to = {"device": DEVICE}
+    return q.to(**to), k.to(**to), v.to(**to), meta, garbage.to(**to), poisoned.to(**to), unused
+
+
+def _check(q, k, v, meta, garbage, poisoned, unused, window=None):
+    scale = q.shape[-1] ** -0.5
+    ref_cache = garbage.clone()
+    ref = paged_attention(q, k, v, ref_cache, meta, scale, sliding_window=window)
+    out = triton_paged_attention(q, k, v, poisoned, meta, scale, sliding_window=window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    # the step's k/v landed where the reference put them; the rest of the cache is untouched
+    expected = ref_cache.masked_fill(unused.to(ref_cache.device), float("nan"))
+    torch.testing.assert_close(poisoned, expected, atol=0, rtol=0, equal_nan=True)
+    return out
+
+
+CASES = {
+    # name: (num_computed_tokens, query_lens, Hq, Hkv, head_dim, block_size, window)
+    "mixed-gqa4-bs16": ([0, 5, 20], [7, 3, 1], 8, 2, 64, 16, None),
+    "decode-mqa-bs16-d128": ([3, 17, 0, 40], [1, 1, 1, 1], 4, 1, 128, 16, None),
+    "prefill-mha-bs32-two-tiles": ([0, 0], [70, 9], 2, 2, 128, 32, None),
+    "prefix-chunks-gqa3-bs3": ([10, 4], [6, 5], 6, 2, 64, 3, None),
+    "mixed-gqa3-bs1": ([2, 0, 5], [3, 4, 1], 3, 1, 64, 1, None),
+    "window-mixed-bs3": ([4, 0, 17], [5, 9, 1], 6, 3, 64, 3, 5),
+    "window-decode-bs16": ([10, 1, 30], [1, 1, 1], 8, 2, 128, 16, 3),
+    "window-1-prefix-bs32": ([33, 0], [4, 3], 4, 1, 64, 32, 1),
+    # 64-query tile over 32-key tiles: late rows see nothing in the first key tile
+    "window-long-chunk-d256": ([3], [60], 2, 2, 256, 16, 4),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference(case, dtype) -> None:
+    computed, q_lens, hq, hkv, dim, block_size, window = case
+    inputs = _setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=sum(q_lens) + dim)
+    _check(*inputs, window=window)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+def test_block_size_group_head_dim_grid(block_size, group, dim) -> None:
+    """A cached-prefix chunk, a fresh prefill and a decode, crossing block boundaries."""
+    seed = block_size * 100 + group * 10 + dim
+    _check(*_setup([20, 0, 33], [6, 9, 1], 2 * group, 2, dim, block_size, torch.float32, seed))
+
+
+@pytest.mark.parametrize("dim", [32, 80, 256])
+def test_other_head_dims(dim) -> None:
+    """Any power of two 32..256 (256 takes the narrower key tile), and a padded one (80)."""
+    _check(*_setup([5, 0], [1, 3], 4, 2, dim, 16, torch.float32, seed=dim))
+
+
+def test_layers_share_the_step_memo() -> None:
+    """Two layers of one step: the query-tile map is built once and reused, both layers exact."""
+    q, k, v, meta, garbage, poisoned, unused = _setup(
+        [0, 6, 2], [5, 1, 4], 4, 2, 64, 4, torch.float32, seed=7
+    )
+    _check(q, k, v, meta, garbage, poisoned, unused)
+    memo = dict(meta.memo)
+    assert any(key[0] == "triton_query_tiles" for key in memo if isinstance(key, tuple))
+    torch.manual_seed(8)  # the next layer: same step (block layout), other values
+    garbage2 = torch.randn_like(garbage)
+    poisoned2 = garbage2.masked_fill(unused.to(DEVICE), float("nan"))
+    q2, k2, v2 = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+    _check(q2, k2, v2, meta, garbage2, poisoned2, unused)
+    for key, value in memo.items():
+        assert meta.memo[key] is value
+
+
+def test_strided_query_view_and_bf16_cache() -> None:
+    """q as a column slice of a fused projection (as llama.py passes it), cache in another
+    dtype than q (the reference casts K/V to q's dtype)."""
+    q, k, v, meta, garbage, poisoned, unused = _setup(
+        [3, 0], [2, 5], 4, 2, 64, 16, torch.float32, seed=3, cache_dtype=torch.bfloat16
+    )
+    fused = torch.cat([q, k], dim=1)  # [T, Hq + Hkv, D]
+    q_view = fused[:, : q.shape[1]]
+    assert not q_view.is_contiguous()
+    out = _check(q_view, k, v, meta, garbage, poisoned, unused)
+    assert out.is_contiguous()
+
+
+def test_empty_batch() -> None:
+    meta = AttentionMetadata.build([], [], [], 16, DEVICE)
+    q = torch.randn(0, 4, 64, device=DEVICE)
+    kv = torch.randn(0, 2, 64, device=DEVICE)
+    cache = torch.zeros(2, 3, 16, 2, 64, device=DEVICE)
+    out = triton_paged_attention(q, kv, kv, cache, meta, 0.125)
+    assert out.shape == q.shape

@@ -1,0 +1,115 @@
+"""CUDA only (marked `gpu`, skipped without a device): graph replay, the engine, the kernel.
+
+- DecodeGraphs captured on CUDA (Triton backend): capturing writes nothing but the null block,
+  and each replay equals the same padded forward run eagerly and the plain forward, through
+  batches of changing size and context (the memoised tile map is rebuilt inside the graph).
+- The engine on CUDA, float32 greedy: graphs on, --enforce-eager and the CPU engine agree.
+- The Triton kernel on the GPU over tests/attention/test_triton_attn.py's cases, with its
+  output buffer NaN-filled so an element it never writes is caught.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from test_decode_graphs import MAX_MODEL_LEN, Batch, check_step, randomize
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from kvflow import LLM, SamplingParams
+from kvflow.model import load_model
+from kvflow.worker.cuda_graphs import DecodeGraphs
+
+pytestmark = pytest.mark.gpu
+
+TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+
+
+def load_file(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from test_engine_padded import word_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(hf, seed=1, embed_std=0.1)
+    path = tmp_path_factory.mktemp("cuda-llama")
+    hf.save_pretrained(path)
+    word_tokenizer(256).save_pretrained(path)
+    return path
+
+
+def triton_model(path: Path, dtype: torch.dtype):
+    from kvflow.attention.triton_attn import triton_paged_attention
+
+    return load_model(path, dtype, "cuda", attn_backend=triton_paged_attention)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graph_replay_equals_eager(checkpoint, dtype) -> None:
+    model, hf_config = triton_model(checkpoint, dtype)
+    batch = Batch(model, hf_config, [20, 2, 9, 5, 14, 1, 7, 12, 3], seed=4, device="cuda")
+    graphs = DecodeGraphs(model, batch.caches, 4, MAX_MODEL_LEN, 16, "cuda")
+    assert graphs.use_graphs
+    before = [c.clone() for c in batch.caches]
+    graphs.capture()
+    for cache, old in zip(batch.caches, before, strict=True):
+        assert torch.equal(cache[:, 1:], old[:, 1:]), "capture wrote outside the null block"
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for rows in ([*range(9)], [1, 3, 5], [8, 0, 2, 6, 4], [5], [7, 1], [*range(9)]):
+        inputs = batch.decode_inputs(rows)
+        state = [c.clone() for c in batch.caches]
+        replayed = check_step(model, graphs, batch.caches, inputs, tol=tol)
+        # the same step again from the same state, the padded forward run eagerly
+        eager = DecodeGraphs(model, state, 4, MAX_MODEL_LEN, 16, "cuda", capture=False)
+        torch.testing.assert_close(
+            replayed, check_step(model, eager, state, inputs, tol=tol), atol=tol / 10, rtol=tol / 10
+        )
+    assert sorted(graphs.steps) == [1, 2, 4, 8, 16]
+
+
+def test_engine_graphs_eager_and_cpu_agree(checkpoint) -> None:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (3, 17, 9, 30, 1)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8)
+
+    def run(**extra) -> tuple[list[list[int]], LLM]:
+        llm = LLM(str(checkpoint), **kw, **extra)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)], llm
+
+    graphs_out, llm = run(device="cuda")
+    graphs = llm.engine.core.runner.decode_graphs
+    assert graphs is not None and sum(graphs.steps.values()) > 0
+    eager_out, eager = run(device="cuda", enforce_eager=True)
+    assert eager.engine.core.runner.decode_graphs is None
+    cpu_out, _ = run(device="cpu")
+    assert graphs_out == eager_out == cpu_out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_cases_on_the_gpu_write_every_output(dtype) -> None:
+    cases = load_file(TESTS / "attention" / "test_triton_attn.py", "triton_cases")
+    check = load_file(REPO / "benchmarks" / "gpu_check.py", "gpu_check")
+    for computed, q_lens, hq, hkv, dim, block_size, window in cases.CASES.values():
+        inputs = cases._setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=dim)
+        with check.nan_filled_outputs():
+            cases._check(*inputs, window=window)

@@ -1,0 +1,133 @@
+"""The whole engine with decode steps forced through DecodeGraphs' padded path, on the CPU.
+
+Two engines over one tiny random Llama checkpoint: the plain one, and one whose runner is
+built with `decode_graphs=DecodeGraphs(..., capture=False)` (what CUDA graphs replay, run
+eagerly). Both see the same schedule (chunked prefill at a 16-token budget, batches shrinking
+as requests finish, preemption in a small KV pool, prefix-cache hits), so greedy and seeded
+random outputs must be identical, and the padded path must really have run at several buckets.
+Also: `--enforce-eager` reaches EngineArgs, and CPU engines never get graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from kvflow import LLM, SamplingParams
+from kvflow.server.args import add_serve_arguments, engine_args_from
+from kvflow.worker.cuda_graphs import DecodeGraphs
+from kvflow.worker.model_runner import ModelRunner
+
+VOCAB = 256
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A tokenizer whose token i is the word `t{i}`: enough for token-id prompts and output."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from test_decode_graphs import randomize
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(hf, seed=5, embed_std=0.1)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(path)
+    word_tokenizer(VOCAB).save_pretrained(path)
+    return str(path)
+
+
+ENGINE = dict(
+    dtype="float32",
+    num_blocks=28,  # 27 x 4 = 108 servable tokens: the batch below must preempt
+    block_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=16,
+    max_model_len=64,
+)
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    lengths = [3, 9, 17, 5, 12, 1, 22]
+    out = [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    out.append(out[2][:10] + [7, 8])  # shares a prefix block run with prompt 2
+    return out
+
+
+def params() -> list[SamplingParams]:
+    greedy = [
+        SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(6)
+    ]
+    seeded = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=9, ignore_eos=True)
+        for i in range(2)
+    ]
+    return greedy + seeded
+
+
+def run(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), params())]
+
+
+def padded(llm: LLM) -> DecodeGraphs:
+    """Rebuild the engine's runner (before its first step) with an eager DecodeGraphs."""
+    old = llm.engine.core.runner
+    graphs = DecodeGraphs(
+        old.model,
+        old.kv_caches,
+        old.block_size,
+        llm.engine.max_model_len,
+        ENGINE["max_num_seqs"],
+        old.device,
+        capture=False,
+    )
+    llm.engine.core.runner = ModelRunner(
+        old.model,
+        old.kv_caches,
+        old.block_size,
+        old.vocab_size,
+        old.eos_token_id,
+        str(old.device),
+        decode_graphs=graphs,
+    )
+    return graphs
+
+
+def test_padded_decode_engine_equals_plain_engine(checkpoint) -> None:
+    plain = LLM(checkpoint, **ENGINE)
+    assert plain.engine.core.runner.decode_graphs is None  # CPU engines never get graphs
+    expected = run(plain)
+    stats = plain.engine.stats()
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
+
+    llm = LLM(checkpoint, **ENGINE)
+    graphs = padded(llm)
+    assert run(llm) == expected
+    assert len(graphs.steps) >= 3, graphs.steps  # batches shrank through several buckets
+    assert any(b > 1 for b in graphs.steps)
+
+
+def test_enforce_eager_flag() -> None:
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    assert engine_args_from(parser.parse_args(["--enforce-eager"])).enforce_eager
+    assert not engine_args_from(parser.parse_args([])).enforce_eager

@@ -1,0 +1,174 @@
+"""The native CPU kernels: the linear kernel against exact math and torch, the build and its
+fallbacks, and the embedded model's bf16 logits with and without the native paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.attention import AttentionMetadata, token_positions
+from kvflow.attention.cpu import cpu_paged_attention
+from kvflow.model import allocate_kv_caches, cpu_kernels, layers, load_model, resolve_model
+
+
+def test_native_kernels_build_here() -> None:
+    # CI machines have a C compiler; without one kvflow still runs (see the fallback tests).
+    assert cpu_kernels.native_available()
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    packed = cpu_kernels.pack_linear_weight(w)
+    assert packed is not None
+    return cpu_kernels.bf16_linear(x, packed, b, w.shape[0])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (13, 40), (33, 2), (1, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_matches_exact_math(rows, out_features, in_features, bias) -> None:
+    torch.manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = torch.randn(out_features, in_features).bfloat16()
+    b = torch.randn(out_features).bfloat16() if bias else None
+    got = _linear(x, w, b)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    # one rounding to bf16 (relative 2^-8), plus float32 accumulation error
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-3 * in_features**0.5)
+    # and torch's own bf16 linear agrees to the last bit almost everywhere
+    same = (got == F.linear(x, w, b)).float().mean().item()
+    assert same > 0.98
+
+
+def test_bf16_linear_reads_strided_input_and_propagates_nan() -> None:
+    x = torch.randn(6, 64).bfloat16()[::2]  # not contiguous
+    w = torch.randn(33, 64).bfloat16()
+    torch.testing.assert_close(_linear(x, w, None), F.linear(x, w))
+    x = x.contiguous()
+    x[1, 5] = float("nan")
+    out = _linear(x, w, None)
+    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+
+
+def test_pack_applies_to_bf16_cpu_weights_with_even_inputs_only() -> None:
+    assert cpu_kernels.pack_linear_weight(torch.randn(8, 6)) is None  # float32
+    assert cpu_kernels.pack_linear_weight(torch.randn(8, 5).bfloat16()) is None  # odd K
+    packed = cpu_kernels.pack_linear_weight(torch.randn(40, 6).bfloat16())
+    assert packed is not None and packed.shape == (2, 3, 32, 2)  # 40 columns -> 2 tiles of 32
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bf16 steps between same-signed finite a and b."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 20])
+def test_rms_norm_matches_transformers_rounding(tokens) -> None:
+    torch.manual_seed(tokens)
+    x, residual = torch.randn(tokens, 96).bfloat16(), torch.randn(tokens, 96).bfloat16()
+    weight, eps = torch.rand(96).bfloat16() + 0.5, 1e-5
+
+    def reference(h: torch.Tensor) -> torch.Tensor:  # transformers' LlamaRMSNorm
+        f = h.float()
+        normed = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(torch.bfloat16)
+
+    assert _ulps_apart(cpu_kernels.rms_norm(x, weight, eps), reference(x)) <= 1
+    stream = residual.clone()
+    out = cpu_kernels.rms_norm(x, weight, eps, stream)
+    assert torch.equal(stream, x + residual)  # the residual stream, updated in place
+    assert _ulps_apart(out, reference(x + residual)) <= 1
+    heads = x.view(tokens, 3, 32)  # per-head norms (Qwen3's q/k norm) over the last dim
+    norm32 = cpu_kernels.rms_norm(heads, weight[:32], eps)
+    assert norm32.shape == heads.shape
+
+
+def test_rotary_in_place_on_strided_rows_matches_torch() -> None:
+    torch.manual_seed(3)
+    qkv = torch.randn(7, 5 * 64).bfloat16()
+    qk = qkv[:, : 4 * 64].view(7, 4, 64)  # rows 320 apart, as the fused projection's q|k
+    angles = torch.rand(7, 1, 32) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
+    sin = torch.cat((angles.sin(), angles.sin()), -1).bfloat16()
+    rotated = torch.cat((-qk[..., 32:], qk[..., :32]), dim=-1)
+    expected = qk * cos + rotated * sin
+    v_before = qkv[:, 4 * 64 :].clone()
+    assert cpu_kernels.rotary_(qk, cos, sin).data_ptr() == qkv.data_ptr()
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, 4 * 64 :], v_before)
+
+
+@pytest.mark.parametrize("width", [1536, 40])
+def test_silu_mul_matches_torch(width) -> None:
+    torch.manual_seed(width)
+    gate_up = (torch.randn(6, 2 * width) * 4).bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.split(width, dim=-1)
+    expected = F.silu(gate) * up
+    got = cpu_kernels.silu_mul(gate_up)
+    assert got.shape == (6, width)
+    assert _ulps_apart(got, expected) <= 1
+
+
+def _native_in_subprocess(env: dict[str, str]) -> str:
+    code = "from kvflow.model import cpu_kernels; print(cpu_kernels.native_available())"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip() + done.stderr
+
+
+def test_native_can_be_turned_off() -> None:
+    assert _native_in_subprocess({"KVFLOW_NATIVE": "0"}).startswith("False")
+
+
+def test_failed_build_falls_back_with_a_warning(tmp_path) -> None:
+    out = _native_in_subprocess({"CC": "false", "KVFLOW_CACHE": str(tmp_path)})
+    assert out.startswith("False")
+    assert "native CPU kernel unavailable" in out
+    assert not list((tmp_path / "kernels").glob("*.so*"))  # no half-written library left
+
+
+def _step_logits(model, hf_config, prompt: list[int], forced: list[int]) -> torch.Tensor:
+    """Logits of a prefill of `prompt`, then of one decode step per token of `forced` (fed
+    whatever the model predicted, so every run sees the same inputs): [1 + len(forced), vocab]."""
+    caches = allocate_kv_caches(hf_config, 8, 16, next(model.parameters()).dtype, "cpu")
+    blocks = [[3, 1, 6, 2]]  # shuffled, so block tables matter
+    out, computed, new = [], 0, prompt
+    with torch.inference_mode():
+        for token in [*forced, None]:
+            meta = AttentionMetadata.build([len(new)], [computed], blocks, 16, "cpu")
+            positions = torch.from_numpy(token_positions([len(new)], [computed]))
+            hidden = model(torch.tensor(new), positions, caches, meta)
+            out.append(model.compute_logits(hidden[-1:])[0].float())
+            computed, new = computed + len(new), [token]
+    return torch.stack(out)
+
+
+def test_embedded_model_bf16_native_is_as_close_to_float32_as_torch(monkeypatch) -> None:
+    """The native linear and decode attention change rounding, not accuracy: their bf16 logits
+    are as close to the float32 model's as torch's bf16 paths are."""
+    path = resolve_model(None)
+    prompt, forced = list(range(1000, 1040)), [2000, 17, 4242, 9, 300, 12]
+    ref32, cfg = load_model(path, torch.float32)
+    exact = _step_logits(ref32, cfg, prompt, forced)
+    model, cfg = load_model(path, torch.bfloat16, attn_backend=cpu_paged_attention)
+    layers.prepack_for_cpu(model)
+    native = _step_logits(model, cfg, prompt, forced)
+    monkeypatch.setattr(cpu_kernels, "native_available", lambda: False)
+    plain = _step_logits(model, cfg, prompt, forced)
+    assert not torch.equal(native, plain)  # the two paths really differ
+    err_native = (native - exact).abs().max().item()
+    err_plain = (plain - exact).abs().max().item()
+    assert err_native <= 1.5 * err_plain + 0.05, (err_native, err_plain)
