@@ -44,6 +44,8 @@ CASES = [
     ([0, 2], [13, 6], 4, 4, 128, 8, None),  # MHA, crossing 8-token blocks
     ([4, 0, 17], [5, 9, 1], 6, 3, 64, 4, 5),  # sliding window
     ([10, 1], [1, 1], 8, 2, 64, 4, 3),  # sliding window, decode path
+    ([0, 0, 0], [7, 3, 12], 8, 2, 64, 4, None),  # new prompts only
+    ([0, 0], [9, 4], 6, 3, 64, 4, 3),  # new prompts only, sliding window
 ]
 
 
@@ -52,6 +54,7 @@ NATIVE_CASES = [  # decode-only steps, which the CPU backend runs in the native 
     ([5, 0, 40], [1, 1, 1], 4, 4, 128, 3, None),  # block size not a power of two
     ([7, 20], [1, 1], 8, 2, 32, 1, None),  # one-token blocks
     ([30, 3, 11], [1, 1, 1], 8, 2, 64, 16, 6),  # sliding window
+    ([5 * i for i in range(9)], [1] * 9, 9, 3, 64, 16, None),  # batch >= 4 x threads: per request
 ]
 
 
@@ -96,11 +99,13 @@ def test_paged_attention_matches_naive(case) -> None:
 
 
 @pytest.mark.parametrize("case", CASES + NATIVE_CASES)
-def test_cpu_backend_matches_naive_in_bf16(case) -> None:
-    """Decode-only cases run the native kernel, the others the reference; both within bf16
-    rounding of the float64 answer (inputs are bf16 already, so only the output rounds)."""
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_cpu_backend_matches_naive(case, dtype, tol) -> None:
+    """bf16 decode-only cases run the native kernel, new-prompt-only cases the batched-matmul
+    path, the others the reference; all within rounding of the float64 answer (bf16 inputs are
+    bf16 already, so only the output rounds)."""
     assert cpu_kernels.native_available(), "the native kernels should build on this machine"
-    _check_backend(case, cpu_paged_attention, torch.bfloat16, 2e-2)
+    _check_backend(case, cpu_paged_attention, dtype, tol)
 
 
 def test_metadata_build() -> None:

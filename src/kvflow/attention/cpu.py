@@ -1,10 +1,13 @@
-"""The CPU backend: the reference backend, with decode-only steps in a native kernel.
+"""The CPU backend: the reference backend, with two common kinds of step taken faster.
 
-A decode-only step (every request schedules one token) attends with
-`cpu_kernels.decode_attention`, which reads each request's K/V where they lie in the paged cache;
-the reference gathers them into a padded copy first (a third of a batch-32 step, see
-benchmarks/RESULTS.md). Steps with prefill chunks, float32 caches, or no native library take the
-reference path unchanged, so both paths are checked against each other in the tests.
+- Decode-only steps (every request schedules one token, bf16): `cpu_kernels.decode_attention`
+  writes the new K/V and reads each request's context where it lies in the paged cache; the
+  reference gathers it into a padded copy first (a third of a batch-32 step, benchmarks/RESULTS.md).
+- Steps of new prompts only (every request starts at position 0): a request's context is
+  exactly its own scheduled tokens, so the reference's SDPA runs on the step's q/k/v without
+  gathering them back from the cache.
+Everything else (prefix hits, later chunks, mixed steps) takes the reference path unchanged,
+and the tests check every path against a naive loop.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.attention.metadata import AttentionMetadata
-from kvflow.attention.torch_ref import paged_attention
+from kvflow.attention.torch_ref import _grouped_sdpa, _step_mask, paged_attention, write_kv_cache
 from kvflow.model import cpu_kernels
 
 
@@ -26,6 +29,9 @@ def cpu_paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `torch_ref.paged_attention`."""
+    if meta.max_query_len > 1 and _new_prompts_only(meta):
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return _new_prompts_attention(q, k, v, meta, scale, sliding_window)
     native = (
         meta.max_query_len == 1
         and q.dtype == kv_cache.dtype == torch.bfloat16
@@ -45,3 +51,37 @@ def cpu_paged_attention(
         scale,
         sliding_window,
     )
+
+
+def _new_prompts_only(meta: AttentionMetadata) -> bool:
+    """Whether every request's context is just its scheduled tokens (nothing cached before)."""
+    if "new_prompts" not in meta.memo:
+        starts = meta.query_start_loc
+        meta.memo["new_prompts"] = bool(torch.equal(starts[1:] - starts[:-1], meta.seq_lens))
+    return meta.memo["new_prompts"]
+
+
+def _new_prompts_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention of new prompts over themselves: q [T, Hq, D], k/v [T, Hkv, D] packed by
+    request -> [T, Hq, D]: the reference's SDPA over the step's own k/v, padded to the longest
+    request, instead of K/V gathered back from the cache."""
+    group = q.shape[1] // k.shape[1]
+    key = ("mask", sliding_window, group)  # the reference's memo entry: same mask
+    if key not in meta.memo:
+        meta.memo[key] = _step_mask(q, meta, meta.max_query_len, sliding_window, group)
+    mask, req, local = meta.memo[key]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, L, H, D]
+        out = x.new_zeros(meta.num_reqs, meta.max_query_len, *x.shape[1:])
+        out[req, local] = x
+        return out
+
+    keys, values = padded(k).transpose(1, 2), padded(v).transpose(1, 2)
+    return _grouped_sdpa(padded(q), keys, values, mask, scale)[req, local]

@@ -9,6 +9,7 @@
  * (-march=native: AVX-512 where the CPU has it, through GCC's vector extensions) and loaded with
  * ctypes; it links the OpenMP runtime torch already loaded, so both share one thread pool.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,21 @@ static inline v16f load_bf16(const uint16_t *p) {
     v16f f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+static inline v16f vload(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* 16 floats rounded to bf16 (nearest even) and stored. */
+static inline void store_bf16(uint16_t *p, v16f f) {
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    v16h h = __builtin_convertvector(u >> 16, v16h);
+    memcpy(p, &h, sizeof h);
 }
 
 static inline float bf16_to_float(uint16_t h) {
@@ -52,11 +68,6 @@ static inline float hsum(v16f v) {  /* a tree: 4 adds instead of a chain of 15 *
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-static inline v16f vload(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* e^x for x <= 0 (softmax after subtracting the max): 2^n * 2^f with f in [-0.5, 0.5] and a
  * degree-6 Taylor polynomial of 2^f (relative error < 2e-7); 0 below -87. */
@@ -168,15 +179,33 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-static void linear_amx(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
-                       int M, int N, int K) {
+static void tile_rows_out(float out[][NB], int rows, const uint16_t *bias, uint16_t *y, int N,
+                          int n0, int cols) {
+    if (cols == NB) {  /* the common case: whole tiles, 16 columns per vector */
+        v16f b0 = {0}, b1 = {0};
+        if (bias) b0 = load_bf16(bias + n0), b1 = load_bf16(bias + n0 + 16);
+        for (int m = 0; m < rows; m++) {
+            store_bf16(y + (size_t)m * N + n0, vload(out[m]) + b0);
+            store_bf16(y + (size_t)m * N + n0 + 16, vload(out[m] + 16) + b1);
+        }
+        return;
+    }
+    for (int m = 0; m < rows; m++)
+        for (int c = 0; c < cols; c++)
+            y[(size_t)m * N + n0 + c] =
+                float_to_bf16(out[m][c] + (bias ? bf16_to_float(bias[n0 + c]) : 0.0f));
+}
+
+/* M <= 16: tiles 0, 1 accumulate the two 16-column halves of a column tile, tile 2 holds the
+ * M rows of x, tiles 3, 4 the two weight halves. */
+static void linear_amx_small(const uint16_t *x, const uint16_t *wp, const uint16_t *bias,
+                             uint16_t *y, int M, int N, int K) {
     int tiles = (N + NB - 1) / NB;
 #pragma omp parallel
     {
         struct tile_config cfg = {.palette = 1};
-        for (int i = 0; i < 2; i++) cfg.rows[i] = (uint8_t)M, cfg.colsb[i] = 64;  /* C halves */
-        cfg.rows[2] = (uint8_t)M, cfg.colsb[2] = 64;                          /* A: x rows */
-        for (int i = 3; i < 5; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;      /* B halves */
+        for (int i = 0; i < 3; i++) cfg.rows[i] = (uint8_t)M, cfg.colsb[i] = 64;
+        for (int i = 3; i < 5; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
         _tile_loadconfig(&cfg);
         float out[16][NB];
 #pragma omp for schedule(static)
@@ -193,14 +222,65 @@ static void linear_amx(const uint16_t *x, const uint16_t *wp, const uint16_t *bi
             }
             _tile_stored(0, out, NB * 4);
             _tile_stored(1, &out[0][16], NB * 4);
-            int n0 = t * NB, cols = N - n0 < NB ? N - n0 : NB;
-            for (int m = 0; m < M; m++)
-                for (int c = 0; c < cols; c++)
-                    y[(size_t)m * N + n0 + c] =
-                        float_to_bf16(out[m][c] + (bias ? bf16_to_float(bias[n0 + c]) : 0.0f));
+            int n0 = t * NB;
+            tile_rows_out(out, M, bias, y, N, n0, N - n0 < NB ? N - n0 : NB);
         }
         _tile_release();
     }
+}
+
+/* M > 16: x is copied into zero-padded chunks of 32 rows (two row tiles, 6 and 7); tiles 0-3
+ * accumulate 2 row halves x 2 column halves of a 32 x 32 output block, tiles 4, 5 hold the
+ * weight halves. */
+static void linear_amx_large(const uint16_t *x, const uint16_t *wp, const uint16_t *bias,
+                             uint16_t *y, int M, int N, int K) {
+    int chunks = (M + 31) / 32, tiles = (N + NB - 1) / NB;
+    /* Groups of up to 16 column tiles (<= 16 * 32 * K * 2 bytes of weights: L2-sized) split
+     * between threads; a thread streams every 32-row chunk of x past its group's weights, so
+     * weights come from memory once and x once per group (not once per column tile). */
+    int group = (tiles + 2 * omp_get_max_threads() - 1) / (2 * omp_get_max_threads());
+    group = group < 1 ? 1 : group > 16 ? 16 : group;
+    int groups = (tiles + group - 1) / group;
+    uint16_t *xp = calloc((size_t)chunks * 32 * K, sizeof(uint16_t));
+    memcpy(xp, x, sizeof(uint16_t) * (size_t)M * K);
+#pragma omp parallel
+    {
+        struct tile_config cfg = {.palette = 1};
+        for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+        _tile_loadconfig(&cfg);
+        float out[32][NB];
+#pragma omp for schedule(dynamic, 1)
+        for (int g = 0; g < groups; g++)
+        for (int c = 0; c < chunks; c++)
+        for (int t = g * group; t < tiles && t < (g + 1) * group; t++) {
+            int n0 = t * NB, cols = N - n0 < NB ? N - n0 : NB;
+            {
+                const uint16_t *w = wp + (size_t)t * K * NB, *xc = xp + (size_t)c * 32 * K;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int k = 0; k < K; k += 32, w += 32 * NB) {
+                    _tile_loadd(4, w, NB * 4);
+                    _tile_loadd(5, w + 32, NB * 4);
+                    _tile_loadd(6, xc + k, K * 2);
+                    _tile_loadd(7, xc + (size_t)16 * K + k, K * 2);
+                    _tile_dpbf16ps(0, 6, 4);
+                    _tile_dpbf16ps(1, 6, 5);
+                    _tile_dpbf16ps(2, 7, 4);
+                    _tile_dpbf16ps(3, 7, 5);
+                }
+                _tile_stored(0, out, NB * 4);
+                _tile_stored(1, &out[0][16], NB * 4);
+                _tile_stored(2, out[16], NB * 4);
+                _tile_stored(3, &out[16][16], NB * 4);
+                int rows = M - c * 32 < 32 ? M - c * 32 : 32;
+                tile_rows_out(out, rows, bias, y + (size_t)c * 32 * N, N, n0, cols);
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
 }
 #else
 int kvflow_amx_init(void) { return 0; }
@@ -209,8 +289,8 @@ int kvflow_amx_init(void) { return 0; }
 void kvflow_bf16_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
                         int M, int N, int K) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx_ok && M <= 16 && K % 32 == 0) {
-        linear_amx(x, wp, bias, y, M, N, K);
+    if (amx_ok && K % 32 == 0) {
+        (M <= 16 ? linear_amx_small : linear_amx_large)(x, wp, bias, y, M, N, K);
         return;
     }
 #endif
@@ -279,9 +359,12 @@ static inline void softmax(float *row, int n) {
  * slot_mapping[b], then the query attends over positions max(0, seq_lens[b] - window) ..
  * seq_lens[b] - 1. Position p lives in slot block_tables[b][p / block_size] * block_size +
  * p % block_size; head h of slot s starts at cache + (s * Hkv + h) * D (the layout
- * [num_blocks, block_size, Hkv, D]). Work item = (request, KV head): it writes that head's K/V,
- * then its G = Hq / Hkv query heads share every K/V row loaded. Softmax in float32 over the whole
- * row of scores (scratch per thread), then the V sum; out is [B, Hq, D].
+ * [num_blocks, block_size, Hkv, D]).
+ *
+ * Work item = a request and a range of its KV heads: all of them when the batch alone keeps the
+ * threads busy (each slot's heads are adjacent, so the cache is read sequentially), else one
+ * head per item. The G = Hq / Hkv query heads of a KV head share every K/V row loaded. Softmax
+ * in float32 over the whole row of scores (scratch per thread), then the V sum; out [B, Hq, D].
  */
 void kvflow_decode_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                              const uint16_t *v, int kv_stride, const int64_t *slot_mapping,
@@ -290,38 +373,44 @@ void kvflow_decode_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                              int D, int block_size, int window, float scale, int max_seq_len,
                              uint16_t *out) {
     int G = Hq / Hkv;
-#pragma omp parallel
+    int heads_per_item = B >= 4 * omp_get_max_threads() ? Hkv : 1;
+    int items = B * (Hkv / heads_per_item);
+    /* a few short items: waking another thread costs more than it saves */
+#pragma omp parallel if (items >= 8)
     {
-        float *scores = malloc(sizeof(float) * (size_t)G * (max_seq_len > 0 ? max_seq_len : 1));
-        float *qf = malloc(sizeof(float) * (size_t)G * D);
-        float *acc = malloc(sizeof(float) * (size_t)G * D);
+        float *scores = malloc(sizeof(float) * (size_t)Hq * (max_seq_len > 0 ? max_seq_len : 1));
+        float *qf = malloc(sizeof(float) * (size_t)Hq * D);
+        float *acc = malloc(sizeof(float) * (size_t)Hq * D);
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < B * Hkv; item++) {
-            int b = item / Hkv, h = item % Hkv;
-            size_t new_slot = (size_t)slot_mapping[b] * Hkv + h;
-            memcpy(kc + new_slot * D, k + (size_t)b * kv_stride + (size_t)h * D, 2 * (size_t)D);
-            memcpy(vc + new_slot * D, v + (size_t)b * kv_stride + (size_t)h * D, 2 * (size_t)D);
+        for (int item = 0; item < items; item++) {
+            int b = item / (Hkv / heads_per_item), h0 = item % (Hkv / heads_per_item) * heads_per_item;
+            int nh = heads_per_item, rows = nh * G; /* query heads h0 * G .. of this item */
+            size_t new_slot = (size_t)slot_mapping[b] * Hkv + h0;
+            memcpy(kc + new_slot * D, k + (size_t)b * kv_stride + (size_t)h0 * D, 2 * (size_t)nh * D);
+            memcpy(vc + new_slot * D, v + (size_t)b * kv_stride + (size_t)h0 * D, 2 * (size_t)nh * D);
             int len = seq_lens[b], start = window > 0 && len > window ? len - window : 0;
             int n = len - start;
             const int32_t *table = block_tables + (size_t)b * max_blocks;
-            const uint16_t *qb = q + (size_t)b * q_stride + (size_t)h * G * D;
-            for (int i = 0; i < G * D; i++) qf[i] = bf16_to_float(qb[i]) * scale;
+            const uint16_t *qb = q + (size_t)b * q_stride + (size_t)h0 * G * D;
+            for (int i = 0; i < rows * D; i++) qf[i] = bf16_to_float(qb[i]) * scale;
             for (int j = 0; j < n; j++) {
                 int p = start + j;
                 size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-                const uint16_t *key = kc + (slot * Hkv + h) * D;
-                for (int g = 0; g < G; g++) scores[(size_t)g * n + j] = dot(qf + g * D, key, D);
+                const uint16_t *key = kc + (slot * Hkv + h0) * D;
+                for (int r = 0; r < rows; r++)  /* query head r uses KV head r / G */
+                    scores[(size_t)r * n + j] = dot(qf + r * D, key + (size_t)(r / G) * D, D);
             }
-            for (int g = 0; g < G; g++) softmax(scores + (size_t)g * n, n);
-            memset(acc, 0, sizeof(float) * (size_t)G * D);
+            for (int r = 0; r < rows; r++) softmax(scores + (size_t)r * n, n);
+            memset(acc, 0, sizeof(float) * (size_t)rows * D);
             for (int j = 0; j < n; j++) {
                 int p = start + j;
                 size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-                const uint16_t *val = vc + (slot * Hkv + h) * D;
-                for (int g = 0; g < G; g++) axpy(acc + g * D, scores[(size_t)g * n + j], val, D);
+                const uint16_t *val = vc + (slot * Hkv + h0) * D;
+                for (int r = 0; r < rows; r++)
+                    axpy(acc + r * D, scores[(size_t)r * n + j], val + (size_t)(r / G) * D, D);
             }
-            uint16_t *ob = out + ((size_t)b * Hq + (size_t)h * G) * D;
-            for (int i = 0; i < G * D; i++) ob[i] = float_to_bf16(acc[i]);
+            uint16_t *ob = out + ((size_t)b * Hq + (size_t)h0 * G) * D;
+            for (int i = 0; i < rows * D; i++) ob[i] = float_to_bf16(acc[i]);
         }
         free(scores);
         free(qf);
@@ -337,6 +426,14 @@ static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f))
 /* RMSNorm of T rows of D, as transformers: n = bf16(h * rsqrt(mean(h^2) + eps)), out = bf16(w * n).
  * With `residual`, h = bf16(x + residual) first, and h is written back to `residual` (the
  * residual stream carried between layers). */
+static inline v16f vround_bf16(v16f f) {
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 void kvflow_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *w, float eps,
                      uint16_t *out, int T, int D) {
 #pragma omp parallel for schedule(static) if (T >= 16)
@@ -344,8 +441,18 @@ void kvflow_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *w, f
         const uint16_t *xr = x + (size_t)t * D;
         uint16_t *rr = residual ? residual + (size_t)t * D : NULL;
         uint16_t *orow = out + (size_t)t * D;
-        float sum = 0.0f;
-        for (int d = 0; d < D; d++) {
+        v16f vsum = {0};
+        int d = 0;
+        for (; d + 16 <= D; d += 16) {
+            v16f h = load_bf16(xr + d);
+            if (rr) {
+                h = vround_bf16(h + load_bf16(rr + d));
+                store_bf16(rr + d, h);
+            }
+            vsum += h * h;
+        }
+        float sum = hsum(vsum);
+        for (; d < D; d++) {
             float h = bf16_to_float(xr[d]);
             if (rr) {
                 h = round_bf16(h + bf16_to_float(rr[d]));
@@ -355,7 +462,9 @@ void kvflow_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *w, f
         }
         float inv = 1.0f / __builtin_sqrtf(sum / D + eps);
         const uint16_t *hr = rr ? rr : xr;
-        for (int d = 0; d < D; d++)
+        for (d = 0; d + 16 <= D; d += 16)
+            store_bf16(orow + d, load_bf16(w + d) * vround_bf16(load_bf16(hr + d) * inv));
+        for (; d < D; d++)
             orow[d] = float_to_bf16(bf16_to_float(w[d]) * round_bf16(bf16_to_float(hr[d]) * inv));
     }
 }
@@ -382,15 +491,6 @@ void kvflow_rotary(uint16_t *x, int stride, int T, int H, int D, const uint16_t 
             }
         }
     }
-}
-
-/* 16 floats rounded to bf16 (nearest even) and stored. */
-static inline void store_bf16(uint16_t *p, v16f f) {
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    v16h h = __builtin_convertvector(u >> 16, v16h);
-    memcpy(p, &h, sizeof h);
 }
 
 /* silu(x) = x * sigmoid(x), with e = e^-|x| <= 1 so no overflow: sigmoid = 1 / (1 + e) for

@@ -103,9 +103,9 @@ def _library() -> ctypes.CDLL | None:
 
 def linear_max_rows() -> int:
     """Up to how many rows `bf16_linear` beats oneDNN (measured, benchmarks/RESULTS.md): with
-    AMX tiles it stays bound by reading the weight up to 16 rows, with AVX-512 up to 8."""
+    AMX tiles up to 128 (bound by reading the weight once up to 32), with AVX-512 up to 8."""
     lib = _library()
-    return 0 if lib is None else 16 if lib.amx else 8
+    return 0 if lib is None else 128 if lib.amx else 8
 
 
 def native_available() -> bool:
