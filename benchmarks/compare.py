@@ -58,7 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers-dir", type=Path, default=HERE / ".peers")
     p.add_argument("--kvflow-args", default="--dtype bfloat16")
     p.add_argument("--vllm-args", default="--dtype bfloat16")
-    p.add_argument("--llamacpp-args", default="--n_ctx 2048 --interrupt_requests False")
+    p.add_argument(  # llama-cpp-python's server uses half the cores unless told
+        "--llamacpp-args",
+        default=f"--n_ctx 2048 --interrupt_requests False --n_threads {os.cpu_count() or 1}",
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--plot", type=Path, default=HERE / "compare.png")
