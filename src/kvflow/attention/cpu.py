@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from kvflow.attention.metadata import AttentionMetadata
-from kvflow.attention.torch_ref import _grouped_sdpa, _step_mask, paged_attention, write_kv_cache
+from kvflow.attention.torch_ref import (
+    attend,
+    pad_by_request,
+    paged_attention,
+    step_mask,
+    write_kv_cache,
+)
 from kvflow.model import cpu_kernels
 
 
@@ -69,19 +75,10 @@ def _new_prompts_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Causal attention of new prompts over themselves: q [T, Hq, D], k/v [T, Hkv, D] packed by
-    request -> [T, Hq, D]: the reference's SDPA over the step's own k/v, padded to the longest
-    request, instead of K/V gathered back from the cache."""
+    """Causal attention of new prompts over themselves: the reference's `attend` over the step's
+    own k/v [T, Hkv, D], padded by request, instead of K/V gathered back from the cache."""
     group = q.shape[1] // k.shape[1]
-    key = ("mask", sliding_window, group)  # the reference's memo entry: same mask
-    if key not in meta.memo:
-        meta.memo[key] = _step_mask(q, meta, meta.max_query_len, sliding_window, group)
-    mask, req, local = meta.memo[key]
-
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, L, H, D]
-        out = x.new_zeros(meta.num_reqs, meta.max_query_len, *x.shape[1:])
-        out[req, local] = x
-        return out
-
-    keys, values = padded(k).transpose(1, 2), padded(v).transpose(1, 2)
-    return _grouped_sdpa(padded(q), keys, values, mask, scale)[req, local]
+    _, req, local = step_mask(q, meta, meta.max_query_len, sliding_window, group)
+    keys = pad_by_request(k, meta, req, local).transpose(1, 2)
+    values = pad_by_request(v, meta, req, local).transpose(1, 2)
+    return attend(q, keys, values, meta, scale, sliding_window)

@@ -49,16 +49,43 @@ def paged_attention(
     if meta.num_reqs == 0:
         return q.new_empty(q.shape)
     keys, values = _gather_context(kv_cache, meta)
+    return attend(q, keys, values, meta, scale, sliding_window)
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D] over each request's keys/values [B, Hkv, L, D] (index = context position;
+    positions >= seq_len are masked) -> [T, Hq, D]."""
     group = q.shape[1] // keys.shape[1]
-    key = ("mask", sliding_window, group)
-    if key not in meta.memo:
-        meta.memo[key] = _step_mask(q, meta, keys.shape[2], sliding_window, group)
-    mask, req, local = meta.memo[key]
+    mask, req, local = step_mask(q, meta, keys.shape[2], sliding_window, group)
     if meta.max_query_len == 1:  # decode only: T == B, one query row per request
         return _grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
-    padded = q.new_zeros(meta.num_reqs, meta.max_query_len, *q.shape[1:])
-    padded[req, local] = q
-    return _grouped_sdpa(padded, keys, values, mask, scale)[req, local]
+    return _grouped_sdpa(pad_by_request(q, meta, req, local), keys, values, mask, scale)[req, local]
+
+
+def step_mask(
+    q: torch.Tensor, meta: AttentionMetadata, length: int, sliding_window: int | None, group: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`_step_mask`, built on the first layer of a step and kept in `meta.memo` for the rest."""
+    key = ("mask", sliding_window, group)
+    if key not in meta.memo:
+        meta.memo[key] = _step_mask(q, meta, length, sliding_window, group)
+    return meta.memo[key]
+
+
+def pad_by_request(
+    x: torch.Tensor, meta: AttentionMetadata, req: torch.Tensor, local: torch.Tensor
+) -> torch.Tensor:
+    """Packed rows x [T, ...] -> [B, max_query_len, ...], zero-padded (req/local from the mask)."""
+    padded = x.new_zeros(meta.num_reqs, meta.max_query_len, *x.shape[1:])
+    padded[req, local] = x
+    return padded
 
 
 def _step_mask(

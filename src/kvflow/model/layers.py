@@ -182,11 +182,8 @@ class RMSNorm(nn.Module):
         stream, added and normalised in one pass (in place into `residual` on the native path).
         Normalised in float32 as transformers does, then scaled."""
         if cpu_kernels.applies(x, self.weight) and (residual is None or residual.is_contiguous()):
-            return (
-                cpu_kernels.rms_norm(x, self.weight, self.eps)
-                if residual is None
-                else (cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual)
-            )
+            out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = x + residual
