@@ -55,6 +55,9 @@ NATIVE_CASES = [  # decode-only steps, which the CPU backend runs in the native 
     ([7, 20], [1, 1], 8, 2, 32, 1, None),  # one-token blocks
     ([30, 3, 11], [1, 1, 1], 8, 2, 64, 16, 6),  # sliding window
     ([5 * i for i in range(9)], [1] * 9, 9, 3, 64, 16, None),  # batch >= 4 x threads: per request
+    ([33, 70, 0], [1, 1, 1], 6, 2, 80, 16, None),  # head dim a multiple of 16, not of 64
+    ([33, 70], [1, 1], 8, 1, 256, 16, 50),  # the largest head dim, MQA, window over blocks
+    ([9, 4], [1, 1], 4, 2, 40, 4, None),  # head dim not a multiple of 16: the reference runs
 ]
 
 

@@ -41,6 +41,8 @@ def cpu_paged_attention(
     native = (
         meta.max_query_len == 1
         and q.dtype == kv_cache.dtype == torch.bfloat16
+        and q.shape[-1] % 16 == 0
+        and q.shape[-1] <= 256
         and cpu_kernels.native_available()
     )
     if not native:

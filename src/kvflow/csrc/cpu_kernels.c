@@ -10,6 +10,9 @@
  * ctypes; it links the OpenMP runtime torch already loaded, so both share one thread pool.
  */
 #include <omp.h>
+#ifdef __x86_64__
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +22,10 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
 static inline v16f load_bf16(const uint16_t *p) {
+#ifdef __AVX512F__ /* one widening load; GCC splits the generic conversion in halves */
+    return (v16f)_mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#endif
     v16h h;
     memcpy(&h, p, sizeof h);
     v16u u = __builtin_convertvector(h, v16u) << 16;
@@ -110,7 +117,6 @@ static inline v16f vexp(v16f x) {
 #define MT 8
 
 #ifdef __AVX512BF16__
-#include <immintrin.h>
 typedef __m512 acc_t;
 static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
 static inline acc_t pair_fma(acc_t acc, uint32_t xpair, const uint16_t *w) {
@@ -313,31 +319,46 @@ void kvflow_bf16_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *b
     }
 }
 
-/* x . bf16 row y over D elements (vectorised by 16, scalar tail). */
-static inline float dot(const float *x, const uint16_t *y, int D) {
-    v16f acc = {0};
-    int d = 0;
-    for (; d + 16 <= D; d += 16) acc += vload(x + d) * load_bf16(y + d);
-    float s = hsum(acc);
-    for (; d < D; d++) s += x[d] * bf16_to_float(y[d]);
-    return s;
-}
-
-/* acc[0 .. D) += w * bf16 row v. */
-static inline void axpy(float *acc, float w, const uint16_t *v, int D) {
-    int d = 0;
-    for (; d + 16 <= D; d += 16) {
-        v16f a = vload(acc + d) + w * load_bf16(v + d);
-        memcpy(acc + d, &a, sizeof a);
-    }
-    for (; d < D; d++) acc[d] += w * bf16_to_float(v[d]);
+/* Lane i of the result = the sum of a[i]'s 16 lanes: a transposing tree of 15 shuffle-adds in
+ * place of 16 separate horizontal sums. */
+static inline v16f sum16(const v16f a[16]) {
+    v16f t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7 fold a[i], 8-15 fold a[i + 8] */
+        t[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                       21, 22, 23) +
+               __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                       27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* groups of 4 lanes: a[i], a[i + 4], a[i + 8], a[i + 12] */
+        u[i] = __builtin_shufflevector(t[i], t[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11,
+                                       24, 25, 26, 27) +
+               __builtin_shufflevector(t[i], t[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15,
+                                       28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* pairs of lanes: a[i], a[i + 2], ..., a[i + 14] */
+        w[i] = __builtin_shufflevector(u[i], u[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
+                                       12, 13, 28, 29) +
+               __builtin_shufflevector(u[i], u[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27,
+                                       14, 15, 30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                   14, 30) +
+           __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                   15, 31);
 }
 
 /* In place: row[j] = e^(row[j] - max) / sum over j < n. */
 static inline void softmax(float *row, int n) {
     float mx = row[0], sum = 0.0f;
-    for (int j = 1; j < n; j++) mx = row[j] > mx ? row[j] : mx;
     int j = 0;
+    if (n >= 16) { /* lane-wise maxima first: a scalar chain waits on each compare */
+        v16f vmx = vload(row);
+        for (j = 16; j + 16 <= n; j += 16) {
+            v16f x = vload(row + j);
+            v16i more = x > vmx;
+            vmx = (v16f)(((v16i)x & more) | ((v16i)vmx & ~more));
+        }
+        for (int i = 0; i < 16; i++) mx = vmx[i] > mx ? vmx[i] : mx;
+    }
+    for (; j < n; j++) mx = row[j] > mx ? row[j] : mx;
+    j = 0;
     v16f vsum = {0};
     for (; j + 16 <= n; j += 16) {
         v16f e = vexp(vload(row + j) - mx);
@@ -352,6 +373,40 @@ static inline void softmax(float *row, int n) {
     for (j = 0; j < n; j++) row[j] *= inv;
 }
 
+/* scores[j] = q . key j over D floats for j < n, keys at base + slots[j] * stride (bf16). Sixteen
+ * keys at a time, each held in its own accumulator; past n a zero row stands in. */
+static inline void scores_row(const float *q, const uint16_t *base, const size_t *slots,
+                              size_t stride, int n, int D, float *scores) {
+    static const uint16_t zero[256];
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const uint16_t *key[16];
+        for (int i = 0; i < 16; i++) key[i] = j0 + i < n ? base + slots[j0 + i] * stride : zero;
+        for (int i = j0 + 16; i < j0 + 32 && i < n; i++) /* the next group's keys */
+            for (int d = 0; d < D; d += 32) __builtin_prefetch(base + slots[i] * stride + d);
+        v16f acc[16] = {0};
+        for (int d = 0; d < D; d += 16) {
+            v16f qv = vload(q + d);
+            for (int i = 0; i < 16; i++) acc[i] += qv * load_bf16(key[i] + d);
+        }
+        v16f s = sum16(acc);
+        memcpy(scores + j0, &s, sizeof s); /* the row has room up to n rounded up to 16 */
+    }
+}
+
+/* out[off .. off + 16 * nv) = sum over j < n of p[j] * value j there (bf16 rows at base +
+ * slots[j] * stride); nv <= 4 vectors held in registers across the whole sum. */
+static inline __attribute__((always_inline)) void weighted_sum(
+    const float *p, const uint16_t *base, const size_t *slots, size_t stride, int n, int off,
+    int nv, uint16_t *out) {
+    v16f acc[4] = {0};
+    for (int j = 0; j < n; j++) {
+        const uint16_t *row = base + slots[j] * stride + off;
+        if (j + 8 < n) __builtin_prefetch(base + slots[j + 8] * stride + off);
+        for (int c = 0; c < nv; c++) acc[c] += p[j] * load_bf16(row + 16 * c);
+    }
+    for (int c = 0; c < nv; c++) store_bf16(out + off + 16 * c, acc[c]);
+}
+
 /* One decode step of attention over a paged bf16 KV cache, reading K/V where they lie.
  *
  * Request b has one new token: its query q[b] (Hq heads of D, rows `q_stride` elements apart)
@@ -359,12 +414,12 @@ static inline void softmax(float *row, int n) {
  * slot_mapping[b], then the query attends over positions max(0, seq_lens[b] - window) ..
  * seq_lens[b] - 1. Position p lives in slot block_tables[b][p / block_size] * block_size +
  * p % block_size; head h of slot s starts at cache + (s * Hkv + h) * D (the layout
- * [num_blocks, block_size, Hkv, D]).
+ * [num_blocks, block_size, Hkv, D]). D must be a multiple of 16, at most 256.
  *
  * Work item = a request and a range of its KV heads: all of them when the batch alone keeps the
- * threads busy (each slot's heads are adjacent, so the cache is read sequentially), else one
- * head per item. The G = Hq / Hkv query heads of a KV head share every K/V row loaded. Softmax
- * in float32 over the whole row of scores (scratch per thread), then the V sum; out [B, Hq, D].
+ * threads busy, else one head per item. Per KV head, each of its G = Hq / Hkv query heads takes
+ * scores against 16 keys at a time (the keys stay in L1 across the group), a float32 softmax over
+ * the row, then the V sum with its accumulators in registers; out [B, Hq, D].
  */
 void kvflow_decode_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                              const uint16_t *v, int kv_stride, const int64_t *slot_mapping,
@@ -375,46 +430,45 @@ void kvflow_decode_attention(const uint16_t *q, int q_stride, const uint16_t *k,
     int G = Hq / Hkv;
     int heads_per_item = B >= 4 * omp_get_max_threads() ? Hkv : 1;
     int items = B * (Hkv / heads_per_item);
+    size_t row_len = (size_t)(max_seq_len > 0 ? max_seq_len : 1) + 16, stride = (size_t)Hkv * D;
     /* a few short items: waking another thread costs more than it saves */
 #pragma omp parallel if (items >= 8)
     {
-        float *scores = malloc(sizeof(float) * (size_t)Hq * (max_seq_len > 0 ? max_seq_len : 1));
-        float *qf = malloc(sizeof(float) * (size_t)Hq * D);
-        float *acc = malloc(sizeof(float) * (size_t)Hq * D);
+        float *scores = malloc(sizeof(float) * row_len);
+        size_t *slots = malloc(sizeof(size_t) * row_len);
+        float *qf = malloc(sizeof(float) * (size_t)D);
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
             int b = item / (Hkv / heads_per_item), h0 = item % (Hkv / heads_per_item) * heads_per_item;
-            int nh = heads_per_item, rows = nh * G; /* query heads h0 * G .. of this item */
             size_t new_slot = (size_t)slot_mapping[b] * Hkv + h0;
-            memcpy(kc + new_slot * D, k + (size_t)b * kv_stride + (size_t)h0 * D, 2 * (size_t)nh * D);
-            memcpy(vc + new_slot * D, v + (size_t)b * kv_stride + (size_t)h0 * D, 2 * (size_t)nh * D);
+            size_t bytes = 2 * (size_t)heads_per_item * D;
+            memcpy(kc + new_slot * D, k + (size_t)b * kv_stride + (size_t)h0 * D, bytes);
+            memcpy(vc + new_slot * D, v + (size_t)b * kv_stride + (size_t)h0 * D, bytes);
             int len = seq_lens[b], start = window > 0 && len > window ? len - window : 0;
             int n = len - start;
             const int32_t *table = block_tables + (size_t)b * max_blocks;
-            const uint16_t *qb = q + (size_t)b * q_stride + (size_t)h0 * G * D;
-            for (int i = 0; i < rows * D; i++) qf[i] = bf16_to_float(qb[i]) * scale;
-            for (int j = 0; j < n; j++) {
-                int p = start + j;
-                size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-                const uint16_t *key = kc + (slot * Hkv + h0) * D;
-                for (int r = 0; r < rows; r++)  /* query head r uses KV head r / G */
-                    scores[(size_t)r * n + j] = dot(qf + r * D, key + (size_t)(r / G) * D, D);
+            for (int j = 0, blk = start / block_size, off = start % block_size; j < n; j++) {
+                slots[j] = (size_t)table[blk] * block_size + off;
+                if (++off == block_size) blk++, off = 0;
             }
-            for (int r = 0; r < rows; r++) softmax(scores + (size_t)r * n, n);
-            memset(acc, 0, sizeof(float) * (size_t)rows * D);
-            for (int j = 0; j < n; j++) {
-                int p = start + j;
-                size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-                const uint16_t *val = vc + (slot * Hkv + h0) * D;
-                for (int r = 0; r < rows; r++)
-                    axpy(acc + r * D, scores[(size_t)r * n + j], val + (size_t)(r / G) * D, D);
+            for (int h = h0; h < h0 + heads_per_item; h++) {
+                for (int r = h * G; r < (h + 1) * G; r++) { /* query heads of KV head h */
+                    const uint16_t *qb = q + (size_t)b * q_stride + (size_t)r * D;
+                    for (int d = 0; d < D; d++) qf[d] = bf16_to_float(qb[d]) * scale;
+                    scores_row(qf, kc + (size_t)h * D, slots, stride, n, D, scores);
+                    softmax(scores, n);
+                    uint16_t *ob = out + ((size_t)b * Hq + r) * D;
+                    int off = 0;
+                    for (; off + 64 <= D; off += 64)
+                        weighted_sum(scores, vc + (size_t)h * D, slots, stride, n, off, 4, ob);
+                    for (; off < D; off += 16)
+                        weighted_sum(scores, vc + (size_t)h * D, slots, stride, n, off, 1, ob);
+                }
             }
-            uint16_t *ob = out + ((size_t)b * Hq + (size_t)h0 * G) * D;
-            for (int i = 0; i < rows * D; i++) ob[i] = float_to_bf16(acc[i]);
         }
         free(scores);
+        free(slots);
         free(qf);
-        free(acc);
     }
 }
 

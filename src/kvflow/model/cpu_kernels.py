@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    # GCC otherwise splits 512-bit vector code in 256-bit halves: decode steps ran 1.8x slower
+    FLAGS.append("-mprefer-vector-width=512")
 
 
 def _cpu_identity() -> str:
@@ -45,7 +48,7 @@ def _cpu_identity() -> str:
 
 
 def _build(compiler: str) -> Path:
-    from kvflow.model.loader import cache_root  # the model package imports this module
+    from kvflow.model.loader import cache_root, scratch  # the model package imports this module
 
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
@@ -57,14 +60,11 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
-    try:
+    with scratch(Path(tmp)):
         subprocess.run(
             [compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True
         )
         os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 

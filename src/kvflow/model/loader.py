@@ -119,13 +119,39 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed converter's
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
+        with scratch(tmp):
             tmp.chmod(0o755)
             _convert_into(gguf_path, tmp)
             os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+_SCRATCH: set[Path] = set()
+
+
+@contextlib.contextmanager
+def scratch(path: Path) -> Iterator[None]:
+    """`path`, a temporary file or directory being written, is removed when the block ends
+    (if still there) and by `remove_scratch` if the process is cut short inside the block."""
+    _SCRATCH.add(path)
+    try:
+        yield
+    finally:
+        _SCRATCH.discard(path)
+        _remove(path)
+
+
+def remove_scratch() -> None:
+    """Remove every `scratch` path being written now (before a hard exit on a signal)."""
+    for path in list(_SCRATCH):
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

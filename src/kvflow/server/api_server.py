@@ -26,6 +26,7 @@ from fastapi import FastAPI
 
 from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.model.loader import remove_scratch
 from kvflow.server.args import add_serve_arguments, engine_args_from
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.metrics import ServerMetrics
@@ -38,8 +39,6 @@ logger = logging.getLogger("kvflow.server")
 # After the engine has given every request its terminal output, how long uvicorn may take to
 # finish writing responses (a client that stops reading cannot hold the process longer).
 _GRACEFUL_S = 5
-# After a signal during start-up, how long the interrupted loading may take to unwind.
-_INTERRUPT_GRACE_S = 3.0
 
 
 class ShutdownController:
@@ -178,36 +177,24 @@ def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
     print(f"kvflow: serving {names} at {url} (OpenAI API: {url}/v1)", flush=True)
 
 
-class _Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGINT during start-up, raised in the main thread so that whatever is being
-    built unwinds (a GGUF conversion removes its temporary directory) before the exit."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 class _StartUpSignals:
-    """Until the server takes the signals over: the first SIGTERM/SIGINT interrupts the
-    start-up, with a hard exit `_INTERRUPT_GRACE_S` later in case library code stalls or
-    swallows the interruption; a second signal exits at once."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
+    """Until the server takes the signals over, SIGTERM/SIGINT end the start-up at once: the
+    handler removes what is half-written (`loader.remove_scratch`: a GGUF conversion's temporary
+    directory, a kernel build's output) and exits with 128 + signal. It raises nothing: an
+    exception raised here can land in Python code that C++ called (torch's imports run such
+    code), and escaping through C++ it aborts the process."""
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._handle)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            os._exit(128 + signum)
-        self.signum = signum
-        timer = threading.Timer(_INTERRUPT_GRACE_S, os._exit, (128 + signum,))
-        timer.daemon = True
-        timer.start()
-        raise _Interrupted(signum)
+    @staticmethod
+    def _handle(signum: int, frame: FrameType | None) -> None:
+        remove_scratch()
+        logger.info("signal %d during start-up: exiting", signum)
+        logging.shutdown()
+        os._exit(128 + signum)
 
 
 def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
@@ -237,21 +224,13 @@ def run_server(args: argparse.Namespace) -> int:
     (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve,
     128 + signal for a signal before the server was up)."""
     _configure_logging()
-    signals = _StartUpSignals()
-    signals.install()
+    _StartUpSignals().install()
     try:
         engine = LLMEngine.from_args(engine_args_from(args))
         server = _build_server(engine, args)
-        if signals.signum is not None:  # the interruption was swallowed on the way
-            raise _Interrupted(signals.signum)
-    except BaseException as exc:
-        if signals.signum is not None:  # whatever the interruption turned into
-            logger.info("signal %d during start-up: exiting", signals.signum)
-            return _finish(128 + signals.signum, args)
-        if isinstance(exc, ValueError):
-            print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
-            return 2
-        raise
+    except ValueError as exc:
+        print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     controller = server.controller
     code = None
     try:
