@@ -46,6 +46,9 @@ CASES = [
     ([10, 1], [1, 1], 8, 2, 64, 4, 3),  # sliding window, decode path
     ([0, 0, 0], [7, 3, 12], 8, 2, 64, 4, None),  # new prompts only
     ([0, 0], [9, 4], 6, 3, 64, 4, 3),  # new prompts only, sliding window
+    ([0, 0, 0], [6, 6, 6], 8, 2, 64, 4, None),  # new prompts of one length: causal SDPA, no mask
+    ([0], [9], 4, 1, 32, 4, 9),  # one new prompt, MQA, a window as long as the prompt
+    ([0, 0], [7, 7], 6, 3, 64, 4, 3),  # one length, a shorter window: the masked path
 ]
 
 

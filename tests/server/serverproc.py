@@ -15,9 +15,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -35,15 +38,20 @@ def free_port() -> int:
 
 
 @dataclass
-class ServerProc:
+class ServerProcess:
+    """A `kvflow serve` subprocess on 127.0.0.1 whose output goes to `log_path`."""
+
     proc: subprocess.Popen
     port: int
     log_path: Path
-    received: list[tuple[str, str, int, object]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -52,6 +60,59 @@ class ServerProc:
         return openai.OpenAI(
             base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=timeout
         )
+
+    def health(self) -> int | None:
+        """/health's status, or None when nothing answers."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5.0).status_code
+        except httpx.HTTPError:
+            return None
+
+    def wait_healthy(self) -> None:
+        """Until /health answers 200; fails the test if the process exits or takes too long."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if self.health() == 200:
+                return
+            time.sleep(0.1)
+        self.kill()
+        pytest.fail(f"server did not become healthy:\n{self.log()[-3000:]}")
+
+    def signal(self, sig: int = signal.SIGTERM) -> float:
+        sent = time.monotonic()
+        self.proc.send_signal(sig)
+        return sent
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def launch(
+    args: list[str], env: dict[str, str], log_prefix: str
+) -> tuple[subprocess.Popen, int, Path]:
+    """Start `python -m kvflow.server.api_server --port <free> *args` with `env`, its output
+    in a fresh temp file; does not wait. Returns (process, port, log path)."""
+    port = free_port()
+    fd, log_name = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+    os.close(fd)
+    cmd = [sys.executable, "-m", "kvflow.server.api_server", "--port", str(port), *args]
+    with open(log_name, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"}
+        )
+    return proc, port, Path(log_name)
+
+
+@dataclass
+class ServerProc(ServerProcess):
+    received: list[tuple[str, str, int, object]] = field(default_factory=list)
 
     def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
         """POST JSON and remember the answer for the OpenAPI check."""
@@ -68,51 +129,32 @@ class ServerProc:
         if response.headers.get("content-type", "").startswith("application/json"):
             self.received.append((method, path, response.status_code, response.json()))
 
-    def signal(self, sig: int = signal.SIGTERM) -> float:
-        sent = time.monotonic()
-        self.proc.send_signal(sig)
-        return sent
-
-    def wait_exit(self, timeout: float) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
 
 def start_server(*extra: str, geometry: list[str] | None = None) -> ServerProc:
-    port = free_port()
-    fd, log_name = tempfile.mkstemp(prefix="kvflow-server-", suffix=".log")
-    os.close(fd)
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvflow.server.api_server",
-        "--port",
-        str(port),
+    args = [
         *(geometry or [*GEOMETRY, "--max-model-len", str(MAX_MODEL_LEN)]),
         "--uvicorn-log-level",
         "warning",
         *extra,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_name, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProc(proc, port, Path(log_name))
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{server.log()[-3000:]}")
+    server = ServerProc(*launch(args, dict(os.environ), "kvflow-server-"))
+    server.wait_healthy()
+    return server
+
+
+def in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run `fn` on a daemon thread; its value (or exception) lands in the returned dict."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
         try:
-            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.kill()
-    pytest.fail(f"server did not become healthy:\n{server.log()[-3000:]}")
+            result["value"] = fn()
+        except Exception as exc:  # surfaced by the test's asserts
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, result
 
 
 # ---- /metrics ------------------------------------------------------------------------------
@@ -138,7 +180,7 @@ class Metrics:
         return match.group(1) if match else None
 
 
-def scrape(server: ServerProc) -> Metrics:
+def scrape(server: ServerProcess) -> Metrics:
     text = httpx.get(f"{server.url}/metrics", timeout=30.0).text
     samples = {}
     for line in text.splitlines():

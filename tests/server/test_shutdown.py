@@ -6,31 +6,16 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 
 import httpx
-from serverproc import ServerProc, scrape, start_server, wait_for
+from serverproc import ServerProc, in_background, scrape, start_server, wait_for
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
 
 
 def running(server: ServerProc) -> float:
     return scrape(server).value("vllm:num_requests_running")
-
-
-def in_background(fn) -> tuple[threading.Thread, dict]:
-    result: dict = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn()
-        except Exception as exc:  # surfaced by the test's asserts
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, result
 
 
 def stream_lines(server: ServerProc, body: dict, headers: dict) -> list[str]:

@@ -5,7 +5,7 @@
   reference gathers it into a padded copy first (a third of a batch-32 step, benchmarks/RESULTS.md).
 - Steps of new prompts only (every request starts at position 0): a request's context is
   exactly its own scheduled tokens, so the reference's SDPA runs on the step's q/k/v without
-  gathering them back from the cache.
+  gathering them back from the cache (and, for prompts of one length, without padding or mask).
 Everything else (prefix hits, later chunks, mixed steps) takes the reference path unchanged,
 and the tests check every path against a naive loop.
 """
@@ -13,6 +13,7 @@ and the tests check every path against a naive loop.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.attention.torch_ref import (
@@ -78,7 +79,23 @@ def _new_prompts_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Causal attention of new prompts over themselves: the reference's `attend` over the step's
-    own k/v [T, Hkv, D], padded by request, instead of K/V gathered back from the cache."""
+    own k/v [T, Hkv, D], padded by request, instead of K/V gathered back from the cache. Prompts
+    of one length (a lone prompt, a uniform batch) need no padding and no mask: the packed rows
+    reshape to [B, L, H, D] for SDPA's causal kernel."""
+    length = meta.max_query_len
+    if q.shape[0] == meta.num_reqs * length and (
+        sliding_window is None or sliding_window >= length
+    ):
+        batch = meta.num_reqs
+        out = F.scaled_dot_product_attention(
+            q.view(batch, length, *q.shape[1:]).transpose(1, 2),
+            k.view(batch, length, *k.shape[1:]).transpose(1, 2),
+            v.view(batch, length, *v.shape[1:]).transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(q.shape)
     group = q.shape[1] // k.shape[1]
     _, req, local = step_mask(q, meta, meta.max_query_len, sliding_window, group)
     keys = pad_by_request(k, meta, req, local).transpose(1, 2)
