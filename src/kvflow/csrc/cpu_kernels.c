@@ -550,16 +550,20 @@ void kvflow_rotary(uint16_t *x, int stride, int T, int H, int D, const uint16_t 
 /* silu(x) = x * sigmoid(x), with e = e^-|x| <= 1 so no overflow: sigmoid = 1 / (1 + e) for
  * x >= 0, e / (1 + e) below. */
 static inline v16f vsilu(v16f x) {
-    v16i neg = x < 0.0f;
-    v16f e = vexp(-__builtin_convertvector(neg, v16f) * x * 2.0f - x);  /* -|x| */
-    v16f pos_sig = 1.0f / (1.0f + e), neg_sig = e / (1.0f + e);
-    v16i a, b;
-    memcpy(&a, &pos_sig, sizeof a);
-    memcpy(&b, &neg_sig, sizeof b);
-    a = (a & ~neg) | (b & neg);
+    v16i neg = x < 0.0f, bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits |= (v16i){0} + (int32_t)0x80000000; /* -|x|: e^-|x| cannot overflow */
+    v16f e;
+    memcpy(&e, &bits, sizeof e);
+    e = vexp(e);
+    v16i one, num; /* sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below: one division */
+    v16f ones = (v16f){0} + 1.0f;
+    memcpy(&one, &ones, sizeof one);
+    memcpy(&num, &e, sizeof num);
+    num = (num & neg) | (one & ~neg);
     v16f sig;
-    memcpy(&sig, &a, sizeof sig);
-    return x * sig;
+    memcpy(&sig, &num, sizeof sig);
+    return x * (sig / (1.0f + e));
 }
 
 /* out[T, I] = bf16(silu(gate)) * up, rounded, for gate_up [T, 2I] = gate | up per row. */
@@ -570,9 +574,8 @@ void kvflow_silu_mul(const uint16_t *gate_up, uint16_t *out, int T, int I) {
         uint16_t *o = out + (size_t)t * I;
         int i = 0;
         for (; i + 16 <= I; i += 16) {
-            v16f act = vsilu(load_bf16(g + i));
-            store_bf16(o + i, act);  /* round the activation to bf16 first, as torch */
-            store_bf16(o + i, load_bf16(o + i) * load_bf16(u + i));
+            v16f act = vround_bf16(vsilu(load_bf16(g + i))); /* rounded first, as torch */
+            store_bf16(o + i, act * load_bf16(u + i));
         }
         for (; i < I; i++) {
             float x = bf16_to_float(g[i]);
