@@ -25,13 +25,14 @@ static inline v16f load_bf16(const uint16_t *p) {
 #ifdef __AVX512F__ /* one widening load; GCC splits the generic conversion in halves */
     return (v16f)_mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-#endif
+#else
     v16h h;
     memcpy(&h, p, sizeof h);
     v16u u = __builtin_convertvector(h, v16u) << 16;
     v16f f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 
 static inline v16f vload(const float *p) {
