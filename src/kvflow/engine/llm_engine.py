@@ -53,11 +53,14 @@ class LLMEngine:
         dtype_name: str = "float32",
         device: str = "cpu",
         log_steps: bool = False,
+        generation_eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = eos_token_id
+        # the generation config's other EOS ids (Llama 3 lists three): they stop like stop_token_ids
+        self.generation_eos_ids = generation_eos_ids - {eos_token_id}
         self.dtype_name = dtype_name
         self.device = device
         self.core = EngineCore(config, runner, log_steps=log_steps)
@@ -116,6 +119,9 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request (n choices share its prompt). Raises ValueError."""
         params = self.validate(prompt_token_ids, params)
+        extra = self.generation_eos_ids.difference(params.stop_token_ids)
+        if extra and not params.ignore_eos:  # as vLLM: reported with stop_reason = the id
+            params = params.clone(stop_token_ids=[*params.stop_token_ids, *sorted(extra)])
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         for child_id in self.output_processor.add_request(

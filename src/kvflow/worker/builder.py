@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -226,4 +227,14 @@ def build_engine(cls, args, log_steps: bool):
         dtype_name=str(dtype).removeprefix("torch."),
         device=device,
         log_steps=log_steps,
+        generation_eos_ids=generation_eos_ids(path),
     )
+
+
+def generation_eos_ids(path: Path) -> frozenset[int]:
+    """The EOS ids listed in the model's generation_config.json (an int or a list), if any."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return frozenset()
+    ids = json.loads(file.read_text()).get("eos_token_id")
+    return frozenset([ids] if isinstance(ids, int) else ids or [])
