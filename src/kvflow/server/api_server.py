@@ -177,24 +177,22 @@ def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
     print(f"kvflow: serving {names} at {url} (OpenAI API: {url}/v1)", flush=True)
 
 
-class _StartUpSignals:
-    """Until the server takes the signals over, SIGTERM/SIGINT end the start-up at once: the
-    handler removes what is half-written (`loader.remove_scratch`: a GGUF conversion's temporary
+def _install_start_up_signals() -> None:
+    """Until the server takes the signals over, SIGTERM/SIGINT end the start-up at once."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit_during_start_up)
+
+
+def _exit_during_start_up(signum: int, frame: FrameType | None) -> None:
+    """Removes what is half-written (`loader.remove_scratch`: a GGUF conversion's temporary
     directory, a kernel build's output) and exits with 128 + signal. It raises nothing: an
     exception raised here can land in Python code that C++ called (torch's imports run such
     code), and escaping through C++ it aborts the process."""
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._handle)
-
-    @staticmethod
-    def _handle(signum: int, frame: FrameType | None) -> None:
-        remove_scratch()
-        logger.info("signal %d during start-up: exiting", signum)
-        logging.shutdown()
-        os._exit(128 + signum)
+    remove_scratch()
+    logger.info("signal %d during start-up: exiting", signum)
+    logging.shutdown()
+    os._exit(128 + signum)
 
 
 def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
@@ -224,7 +222,7 @@ def run_server(args: argparse.Namespace) -> int:
     (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve,
     128 + signal for a signal before the server was up)."""
     _configure_logging()
-    _StartUpSignals().install()
+    _install_start_up_signals()
     try:
         engine = LLMEngine.from_args(engine_args_from(args))
         server = _build_server(engine, args)
