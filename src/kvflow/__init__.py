@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 
-# torch's OpenMP threads spin while they wait for work by default. When another thread or
-# process wants the same cores (the HTTP thread, a client on the machine), a spinning or
-# descheduled team member stalls every parallel region: measured 2.2x fewer tokens/s at
-# concurrency 1 and 2.6x at 8 on 2 cores (benchmarks/RESULTS.md). Sleeping waits cost
-# microseconds per region instead. Read when torch first loads, so set here; $OMP_WAIT_POLICY wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Between two parallel regions torch's OpenMP threads (libgomp) spin for a while, then sleep.
+# A step runs ~200 regions, so each one that finds the other thread asleep waits for a
+# wake-up: with sleeping waits (OMP_WAIT_POLICY=PASSIVE, our default until 2026-11-30) a decode
+# step in the server took 22 ms against 13 ms with spinning (benchmarks/RESULTS.md). A bounded
+# spin (about half a millisecond) keeps that, and an idle engine's threads still go to sleep.
+# libgomp reads this when torch first loads, so it is set here; the environment's value wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams

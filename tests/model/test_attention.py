@@ -52,7 +52,11 @@ CASES = [
 ]
 
 
-NATIVE_CASES = [  # decode-only steps, which the CPU backend runs in the native kernel
+NATIVE_CASES = [  # shapes for the native kernel (every bf16 step with a head dim it takes)
+    ([0, 20, 3], [40, 17, 1], 9, 3, 64, 16, None),  # prompt, chunk and decode; tiles of 16 tokens
+    ([50, 0], [33, 70], 8, 2, 128, 16, 24),  # a window shorter than a tile's span of keys
+    ([0], [35], 8, 1, 256, 5, None),  # the largest head dim, MQA: 8 query rows per token
+    ([10, 0], [18, 21], 6, 2, 80, 4, 1),  # a window of one: chunks with no visible key for a row
     ([0, 16, 31, 2], [1, 1, 1, 1], 9, 3, 64, 16, None),  # SmolLM2's heads, block boundaries
     ([5, 0, 40], [1, 1, 1], 4, 4, 128, 3, None),  # block size not a power of two
     ([7, 20], [1, 1], 8, 2, 32, 1, None),  # one-token blocks
@@ -107,9 +111,9 @@ def test_paged_attention_matches_naive(case) -> None:
 @pytest.mark.parametrize("case", CASES + NATIVE_CASES)
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 def test_cpu_backend_matches_naive(case, dtype, tol) -> None:
-    """bf16 decode-only cases run the native kernel, new-prompt-only cases the batched-matmul
-    path, the others the reference; all within rounding of the float64 answer (bf16 inputs are
-    bf16 already, so only the output rounds)."""
+    """bf16 cases run the native kernel (but a head dim it does not take), float32 ones the
+    new-prompt path or the reference; all within rounding of the float64 answer (bf16 inputs
+    are bf16 already, so only the output rounds)."""
     assert cpu_kernels.native_available(), "the native kernels should build on this machine"
     _check_backend(case, cpu_paged_attention, dtype, tol)
 

@@ -36,30 +36,18 @@ def cpu_paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `torch_ref.paged_attention`."""
-    if meta.max_query_len > 1 and _new_prompts_only(meta):
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return _new_prompts_attention(q, k, v, meta, scale, sliding_window)
     native = (
-        meta.max_query_len == 1
-        and q.dtype == kv_cache.dtype == torch.bfloat16
+        q.dtype == kv_cache.dtype == torch.bfloat16
         and q.shape[-1] % 16 == 0
         and q.shape[-1] <= 256
         and cpu_kernels.native_available()
     )
-    if not native:
-        return paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
-    return cpu_kernels.decode_attention(
-        q,
-        k,
-        v,
-        kv_cache,
-        meta.slot_mapping,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.max_seq_len,
-        scale,
-        sliding_window,
-    )
+    if native:
+        return cpu_kernels.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
+    if meta.max_query_len > 1 and _new_prompts_only(meta):
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return _new_prompts_attention(q, k, v, meta, scale, sliding_window)
+    return paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
 
 
 def _new_prompts_only(meta: AttentionMetadata) -> bool:

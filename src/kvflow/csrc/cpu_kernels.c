@@ -408,69 +408,233 @@ static inline __attribute__((always_inline)) void weighted_sum(
     for (int c = 0; c < nv; c++) store_bf16(out + off + 16 * c, acc[c]);
 }
 
-/* One decode step of attention over a paged bf16 KV cache, reading K/V where they lie.
+/* The slots of positions start .. start + n - 1 of a request (its block table), in order. */
+static void fill_slots(const int32_t *table, int block_size, int start, int n, size_t *slots) {
+    for (int j = 0, blk = start / block_size, off = start % block_size; j < n; j++) {
+        slots[j] = (size_t)table[blk] * block_size + off;
+        if (++off == block_size) blk++, off = 0;
+    }
+}
+
+/* One decode token's G query heads of KV head h over the n keys at `slots`: each query head
+ * takes scores against 16 keys at a time (the keys stay in L1 across the group), a float32
+ * softmax over the row, then the V sum with its accumulators in registers. */
+static void decode_heads(const uint16_t *qb, int G, int h, int D, size_t stride,
+                         const uint16_t *kc, const uint16_t *vc, const size_t *slots, int n,
+                         float scale, float *qf, float *scores, uint16_t *ob) {
+    for (int r = h * G; r < (h + 1) * G; r++) {
+        for (int d = 0; d < D; d++) qf[d] = bf16_to_float(qb[(size_t)r * D + d]) * scale;
+        scores_row(qf, kc + (size_t)h * D, slots, stride, n, D, scores);
+        softmax(scores, n);
+        int off = 0;
+        for (; off + 64 <= D; off += 64)
+            weighted_sum(scores, vc + (size_t)h * D, slots, stride, n, off, 4, ob + (size_t)r * D);
+        for (; off < D; off += 16)
+            weighted_sum(scores, vc + (size_t)h * D, slots, stride, n, off, 1, ob + (size_t)r * D);
+    }
+}
+
+/* Query tokens per prefill work item: QT x G query rows share each 16-key chunk of K/V. */
+#define QT 16
+#define RB 8 /* query rows per block of score accumulators */
+
+typedef struct { /* one thread's scratch for prefill tiles */
+    uint16_t *kp;  /* a 16-key chunk of K as [D / 2][16][2]: the linear kernel's pair layout */
+    float *vf;     /* the chunk of V widened to float32, [16][D] (zeros past the last key) */
+    float *o, *p;  /* per query row: the unnormalised output [D] and the chunk's weights [16] */
+    float *mx, *sum;
+    const uint16_t **qrow; /* each query row's q, then RB copies of the first (padding) */
+} tile_scratch;
+
+/* Causal attention of m <= QT consecutive tokens of one request (positions pos0 .. pos0 + m - 1,
+ * rows t0 .. of q) for KV head h, over keys kstart .. pos0 + m - 1 at `slots` (slots[0] is
+ * position kstart): flash-attention style, 16 keys at a time with a running max and sum per
+ * query row. Scores come from bf16 pairs (exact products, float32 sums), the weights and V sum
+ * stay float32; a key past a row's position, or outside its window, gets weight 0. */
+static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos0, int h, int G,
+                         int D, size_t stride, const uint16_t *kc, const uint16_t *vc,
+                         const size_t *slots, int kstart, int window, float scale,
+                         tile_scratch *s, uint16_t *out, int Hq) {
+    int R = m * G, kend = pos0 + m, DV = D / 16;
+    const uint16_t **qrow = s->qrow;
+    for (int r = 0; r < R; r++)
+        qrow[r] = q + (size_t)(t0 + r / G) * q_stride + (size_t)(h * G + r % G) * D;
+    for (int r = R; r < R + RB; r++) qrow[r] = qrow[0]; /* padding rows of the last block */
+    for (int r = 0; r < R; r++) s->mx[r] = -__builtin_inff(), s->sum[r] = 0.0f;
+    memset(s->o, 0, sizeof(float) * (size_t)R * D);
+    v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int j0 = kstart; j0 < kend; j0 += 16) {
+        int n = kend - j0 < 16 ? kend - j0 : 16;
+        const size_t *cs = slots + (j0 - kstart);
+        uint32_t *kp = (uint32_t *)s->kp;
+        for (int i = 0; i < 16; i++) {
+            const uint16_t *key = kc + cs[i < n ? i : 0] * stride + (size_t)h * D;
+            const uint16_t *val = vc + cs[i < n ? i : 0] * stride + (size_t)h * D;
+            for (int dp = 0; dp < D / 2; dp++) {
+                uint32_t pair;
+                memcpy(&pair, key + 2 * dp, sizeof pair);
+                kp[dp * 16 + i] = i < n ? pair : 0;
+            }
+            for (int c = 0; c < DV; c++) {
+                v16f x = i < n ? load_bf16(val + 16 * c) : (v16f){0};
+                memcpy(s->vf + (size_t)i * D + 16 * c, &x, sizeof x);
+            }
+        }
+        for (int r0 = 0; r0 < R; r0 += RB) { /* scores: RB rows share each loaded pair of K */
+            acc_t acc[RB];
+            for (int i = 0; i < RB; i++) acc[i] = acc_zero();
+            for (int dp = 0; dp < D / 2; dp++) {
+                for (int i = 0; i < RB; i++) {
+                    uint32_t qp;
+                    memcpy(&qp, qrow[r0 + i] + 2 * dp, sizeof qp);
+                    acc[i] = pair_fma(acc[i], qp, s->kp + dp * 32);
+                }
+            }
+            for (int i = 0; i < RB && r0 + i < R; i++) memcpy(s->p + (size_t)(r0 + i) * 16, &acc[i], 64);
+        }
+        for (int r = 0; r < R; r++) {
+            int pos = pos0 + r / G;
+            v16i key = lane + j0;
+            v16i ok = (key <= pos) & (key < j0 + n);
+            if (window > 0) ok &= key > pos - window;
+            v16f sc = vload(s->p + (size_t)r * 16) * scale;
+            v16i bits;
+            memcpy(&bits, &sc, sizeof bits);
+            const float ninf = -__builtin_inff();
+            int32_t ninf_bits;
+            memcpy(&ninf_bits, &ninf, sizeof ninf_bits);
+            bits = (bits & ok) | (ninf_bits & ~ok);
+            memcpy(&sc, &bits, sizeof sc);
+            float cmax = ninf;
+            for (int i = 0; i < 16; i++) cmax = sc[i] > cmax ? sc[i] : cmax;
+            float *orow = s->o + (size_t)r * D;
+            if (cmax == ninf) continue; /* no key of this chunk is visible to the row */
+            float mnew = cmax > s->mx[r] ? cmax : s->mx[r];
+            float alpha = __builtin_expf(s->mx[r] - mnew);
+            v16f w = vexp(sc - mnew);
+            s->mx[r] = mnew;
+            s->sum[r] = s->sum[r] * alpha + hsum(w);
+            float wj[16];
+            memcpy(wj, &w, sizeof wj);
+            for (int c = 0; c < DV; c++) {
+                v16f acc = vload(orow + 16 * c) * alpha;
+                for (int i = 0; i < n; i++) acc += wj[i] * vload(s->vf + (size_t)i * D + 16 * c);
+                memcpy(orow + 16 * c, &acc, sizeof acc);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        uint16_t *ob = out + ((size_t)(t0 + r / G) * Hq + h * G + r % G) * D;
+        float inv = 1.0f / s->sum[r];
+        for (int c = 0; c < DV; c++) store_bf16(ob + 16 * c, vload(s->o + (size_t)r * D + 16 * c) * inv);
+    }
+}
+
+typedef struct {
+    int b, h0, nh; /* request, first KV head and how many */
+    int t0, m;     /* first token row and count (1 for a decode token) */
+    long cost;     /* query rows x keys, to hand out the longest items first */
+} work_item;
+
+static int by_cost_desc(const void *a, const void *b) {
+    long x = ((const work_item *)a)->cost, y = ((const work_item *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* One step of attention over a paged bf16 KV cache, reading K/V where they lie.
  *
- * Request b has one new token: its query q[b] (Hq heads of D, rows `q_stride` elements apart)
- * and its key/value k[b], v[b] (Hkv heads, rows `kv_stride` apart) are first written to slot
- * slot_mapping[b], then the query attends over positions max(0, seq_lens[b] - window) ..
- * seq_lens[b] - 1. Position p lives in slot block_tables[b][p / block_size] * block_size +
- * p % block_size; head h of slot s starts at cache + (s * Hkv + h) * D (the layout
- * [num_blocks, block_size, Hkv, D]). D must be a multiple of 16, at most 256.
+ * Request b has tokens query_start_loc[b] .. query_start_loc[b + 1] - 1 (rows of q: Hq heads of
+ * D, rows `q_stride` elements apart; k/v: Hkv heads, rows `kv_stride` apart), the last q_len of
+ * its seq_lens[b] positions. Every token's K/V is first written to its slot slot_mapping[t];
+ * then the token at position p attends over positions max(0, p - window + 1) .. p. Position p
+ * of request b lives in slot block_tables[b][p / block_size] * block_size + p % block_size;
+ * head h of slot s starts at cache + (s * Hkv + h) * D (the layout [num_blocks, block_size, Hkv,
+ * D]). D must be a multiple of 16, at most 256. out [T, Hq, D].
  *
- * Work item = a request and a range of its KV heads: all of them when the batch alone keeps the
- * threads busy, else one head per item. Per KV head, each of its G = Hq / Hkv query heads takes
- * scores against 16 keys at a time (the keys stay in L1 across the group), a float32 softmax over
- * the row, then the V sum with its accumulators in registers; out [B, Hq, D].
+ * Work items: a decode token (q_len 1) with a range of its KV heads (all of them when the decode
+ * tokens alone keep the threads busy, else one); a prompt or chunk (q_len > 1) per KV head and
+ * tile of QT tokens. The costliest go first, handed out one at a time.
  */
-void kvflow_decode_attention(const uint16_t *q, int q_stride, const uint16_t *k,
-                             const uint16_t *v, int kv_stride, const int64_t *slot_mapping,
-                             uint16_t *kc, uint16_t *vc, const int32_t *block_tables,
-                             int max_blocks, const int32_t *seq_lens, int B, int Hq, int Hkv,
-                             int D, int block_size, int window, float scale, int max_seq_len,
-                             uint16_t *out) {
-    int G = Hq / Hkv;
-    int heads_per_item = B >= 4 * omp_get_max_threads() ? Hkv : 1;
-    int items = B * (Hkv / heads_per_item);
+void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
+                            const uint16_t *v, int kv_stride, const int64_t *slot_mapping,
+                            uint16_t *kc, uint16_t *vc, const int32_t *block_tables,
+                            int max_blocks, const int32_t *query_start_loc,
+                            const int32_t *seq_lens, int B, int Hq, int Hkv, int D,
+                            int block_size, int window, float scale, int max_seq_len,
+                            uint16_t *out) {
+    int G = Hq / Hkv, T = query_start_loc[B], decodes = 0, tiles = 0;
+    for (int b = 0; b < B; b++) {
+        int len = query_start_loc[b + 1] - query_start_loc[b];
+        if (len == 1) decodes++;
+        else tiles += (len + QT - 1) / QT;
+    }
+    int heads_per_item = decodes >= 4 * omp_get_max_threads() ? Hkv : 1;
+    int items = decodes * (Hkv / heads_per_item) + tiles * Hkv;
+    work_item *work = malloc(sizeof(work_item) * (size_t)(items > 0 ? items : 1));
+    int w = 0;
+    for (int b = 0; b < B; b++) {
+        int t0 = query_start_loc[b], len = query_start_loc[b + 1] - t0;
+        int span = window > 0 && seq_lens[b] > window ? window : seq_lens[b];
+        for (int h = 0; h < Hkv; h += len == 1 ? heads_per_item : 1)
+            for (int i = 0; i < len; i += QT) {
+                int m = len - i < QT ? len - i : QT, nh = len == 1 ? heads_per_item : 1;
+                work[w++] = (work_item){b, h, nh, t0 + i, m, (long)m * G * nh * span};
+            }
+    }
+    qsort(work, (size_t)items, sizeof(work_item), by_cost_desc);
     size_t row_len = (size_t)(max_seq_len > 0 ? max_seq_len : 1) + 16, stride = (size_t)Hkv * D;
-    /* a few short items: waking another thread costs more than it saves */
-#pragma omp parallel if (items >= 8)
+    size_t rows = (size_t)QT * G;
+    /* a few short decode items: waking another thread costs more than it saves */
+#pragma omp parallel if (items >= 8 || tiles > 0)
     {
         float *scores = malloc(sizeof(float) * row_len);
         size_t *slots = malloc(sizeof(size_t) * row_len);
         float *qf = malloc(sizeof(float) * (size_t)D);
+        tile_scratch s = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+        if (tiles > 0) {
+            s.kp = aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)D);
+            s.vf = aligned_alloc(64, sizeof(float) * 16 * (size_t)D);
+            s.o = malloc(sizeof(float) * rows * (size_t)D);
+            s.p = malloc(sizeof(float) * rows * 16);
+            s.mx = malloc(sizeof(float) * rows);
+            s.sum = malloc(sizeof(float) * rows);
+            s.qrow = malloc(sizeof(uint16_t *) * (rows + RB));
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            size_t slot = (size_t)slot_mapping[t] * stride, bytes = sizeof(uint16_t) * stride;
+            memcpy(kc + slot, k + (size_t)t * kv_stride, bytes);
+            memcpy(vc + slot, v + (size_t)t * kv_stride, bytes);
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < items; item++) {
-            int b = item / (Hkv / heads_per_item), h0 = item % (Hkv / heads_per_item) * heads_per_item;
-            size_t new_slot = (size_t)slot_mapping[b] * Hkv + h0;
-            size_t bytes = 2 * (size_t)heads_per_item * D;
-            memcpy(kc + new_slot * D, k + (size_t)b * kv_stride + (size_t)h0 * D, bytes);
-            memcpy(vc + new_slot * D, v + (size_t)b * kv_stride + (size_t)h0 * D, bytes);
-            int len = seq_lens[b], start = window > 0 && len > window ? len - window : 0;
-            int n = len - start;
-            const int32_t *table = block_tables + (size_t)b * max_blocks;
-            for (int j = 0, blk = start / block_size, off = start % block_size; j < n; j++) {
-                slots[j] = (size_t)table[blk] * block_size + off;
-                if (++off == block_size) blk++, off = 0;
-            }
-            for (int h = h0; h < h0 + heads_per_item; h++) {
-                for (int r = h * G; r < (h + 1) * G; r++) { /* query heads of KV head h */
-                    const uint16_t *qb = q + (size_t)b * q_stride + (size_t)r * D;
-                    for (int d = 0; d < D; d++) qf[d] = bf16_to_float(qb[d]) * scale;
-                    scores_row(qf, kc + (size_t)h * D, slots, stride, n, D, scores);
-                    softmax(scores, n);
-                    uint16_t *ob = out + ((size_t)b * Hq + r) * D;
-                    int off = 0;
-                    for (; off + 64 <= D; off += 64)
-                        weighted_sum(scores, vc + (size_t)h * D, slots, stride, n, off, 4, ob);
-                    for (; off < D; off += 16)
-                        weighted_sum(scores, vc + (size_t)h * D, slots, stride, n, off, 1, ob);
-                }
+        for (int i = 0; i < items; i++) {
+            work_item it = work[i];
+            int t0q = query_start_loc[it.b], len = query_start_loc[it.b + 1] - t0q;
+            int pos0 = seq_lens[it.b] - len + (it.t0 - t0q); /* position of the item's first token */
+            int start = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+            int n = pos0 + it.m - start;
+            fill_slots(block_tables + (size_t)it.b * max_blocks, block_size, start, n, slots);
+            if (it.m == 1 && len == 1) {
+                for (int h = it.h0; h < it.h0 + it.nh; h++)
+                    decode_heads(q + (size_t)it.t0 * q_stride, G, h, D, stride, kc, vc, slots, n,
+                                 scale, qf, scores, out + (size_t)it.t0 * Hq * D);
+            } else {
+                prefill_tile(q, q_stride, it.t0, it.m, pos0, it.h0, G, D, stride, kc, vc, slots,
+                             start, window, scale, &s, out, Hq);
             }
         }
         free(scores);
         free(slots);
         free(qf);
+        free(s.kp);
+        free(s.vf);
+        free(s.o);
+        free(s.p);
+        free(s.mx);
+        free(s.sum);
+        free(s.qrow);
     }
+    free(work);
 }
 
 /* ---- small fused ops: one call instead of a chain of torch ops (each a dispatch) ----------

@@ -26,8 +26,12 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvflow.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +89,10 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.kvflow_bf16_linear.restype = None
     lib.kvflow_bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-    lib.kvflow_decode_attention.restype = None
+    lib.kvflow_paged_attention.restype = None
     ptr, num = ctypes.c_void_p, ctypes.c_int
-    lib.kvflow_decode_attention.argtypes = [ptr, num, ptr, ptr, num, ptr, ptr, ptr, ptr, num, ptr]
-    lib.kvflow_decode_attention.argtypes += [num] * 6 + [ctypes.c_float, num, ptr]
+    lib.kvflow_paged_attention.argtypes = [ptr, num, ptr, ptr, num, ptr, ptr, ptr, ptr, num]
+    lib.kvflow_paged_attention.argtypes += [ptr, ptr] + [num] * 6 + [ctypes.c_float, num, ptr]
     for name, args in {
         "kvflow_rms_norm": [ptr, ptr, ptr, ctypes.c_float, ptr, num, num],
         "kvflow_rotary": [ptr, num, num, num, num, ptr, ptr],
@@ -97,15 +101,8 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = args
     lib.kvflow_amx_init.restype = ctypes.c_int
-    lib.amx = bool(lib.kvflow_amx_init())  # tile instructions for the linear kernel
+    lib.kvflow_amx_init()  # tile instructions for the linear kernel, where the CPU has them
     return lib
-
-
-def linear_max_rows() -> int:
-    """Up to how many rows `bf16_linear` beats oneDNN (measured, benchmarks/RESULTS.md): with
-    AMX tiles up to 128 (bound by reading the weight once up to 32), with AVX-512 up to 8."""
-    lib = _library()
-    return 0 if lib is None else 128 if lib.amx else 8
 
 
 def native_available() -> bool:
@@ -159,53 +156,49 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
-def decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
+    meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """One decode step: writes k/v [B, Hkv, D] at `slot_mapping` into the paged bf16 `kv_cache`
-    [2, num_blocks, block_size, Hkv, D], then attends with q [B, Hq, D] over each request's
-    context -> [B, Hq, D]. All bf16; needs `native_available()`.
-
-    slot_mapping is int64, block_tables / seq_lens int32, as in AttentionMetadata; request b sees
-    keys j < seq_lens[b] (and j >= seq_lens[b] - sliding_window with a window).
-    """
+    """One step's attention, any mix of new prompts, later chunks and decode tokens: writes k/v
+    [T, Hkv, D] at `meta.slot_mapping` into the paged bf16 `kv_cache` [2, num_blocks,
+    block_size, Hkv, D], then each token of q [T, Hq, D] attends over its request's context up
+    to its own position (the last `sliding_window` positions with a window) -> [T, Hq, D].
+    All bf16, head dim a multiple of 16 up to 256; needs `native_available()`."""
     lib = _library()
     assert lib is not None, "call native_available() first"
     q, k, v = _rows(q), _rows(k), _rows(v)
     if k.stride(0) != v.stride(0):
         k, v = k.contiguous(), v.contiguous()
-    batch, num_heads, head_dim = q.shape
+    tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
-    lib.kvflow_decode_attention(
+    out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
+    lib.kvflow_paged_attention(
         q.data_ptr(),
         q.stride(0),
         k.data_ptr(),
         v.data_ptr(),
         k.stride(0),
-        slot_mapping.data_ptr(),
+        meta.slot_mapping.data_ptr(),
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.shape[1],
-        seq_lens.data_ptr(),
-        batch,
+        meta.block_tables.data_ptr(),
+        meta.block_tables.shape[1],
+        meta.query_start_loc.data_ptr(),
+        meta.seq_lens.data_ptr(),
+        meta.num_reqs,
         num_heads,
         num_kv_heads,
         head_dim,
         block_size,
         sliding_window or 0,
         scale,
-        max_seq_len,
+        meta.max_seq_len,
         out.data_ptr(),
     )
     return out

@@ -9,6 +9,8 @@ random initialisation: the loader overwrites every parameter and checks that non
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -83,11 +85,44 @@ def linear(
     """x [T, in] @ weight.T (+ bias): small batches through the native kernel's packed weight
     when there is one (bound by reading the weight once), larger ones through oneDNN's
     pre-packed weight (faster once the matmul is compute-bound), else F.linear."""
-    if native is not None and x.shape[0] <= cpu_kernels.linear_max_rows():
+    if native is not None and x.shape[0] <= native_linear_max_rows():
         return cpu_kernels.bf16_linear(x, native, bias, weight.shape[0])
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def native_linear_max_rows() -> int:
+    """Up to how many rows the native kernel beats oneDNN's packed matmul on this CPU, measured
+    once per process on a [1536, 576] weight (a small model's MLP): rows double from 16 while the
+    native kernel stays ahead (best of 3 runs each). Always at least 8, where reading the weight
+    once is what counts. Crossovers seen: 8 rows on an AVX-512 EPYC, 128 with AMX tiles, 512 on
+    a Zen 5 EPYC, whose oneDNN matmul is no faster even at 2,048 (benchmarks/RESULTS.md)."""
+    if not cpu_kernels.native_available():
+        return 0
+    weight = torch.randn(1536, 576, dtype=torch.bfloat16)
+    native, packed = cpu_kernels.pack_linear_weight(weight), pack_weight(weight)
+    if native is None or packed is None:
+        return 0 if native is None else 1 << 30
+
+    def best_of_3(fn: Callable[..., torch.Tensor], *args) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    rows = 8
+    while rows < 4096:
+        x = torch.randn(2 * rows, weight.shape[1], dtype=weight.dtype)
+        ours = best_of_3(cpu_kernels.bf16_linear, x, native, None, weight.shape[0])
+        theirs = best_of_3(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")
+        if ours > theirs:
+            break
+        rows *= 2
+    return rows
 
 
 def prepack_for_cpu(model: nn.Module) -> int:

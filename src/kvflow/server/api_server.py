@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from types import FrameType
 
@@ -195,6 +196,17 @@ def _exit_during_start_up(signum: int, frame: FrameType | None) -> None:
     os._exit(128 + signum)
 
 
+def _load_engine(args: argparse.Namespace) -> LLMEngine:
+    """Load and warm up the engine on a thread that then exits, so that only the engine thread
+    ever runs the model. libgomp keeps an OpenMP thread pool per thread that ran a parallel
+    region; with the main thread's left beside the engine thread's it counts more threads than
+    cores and has them sleep at once between regions instead of spinning, so each of a step's
+    ~200 regions waited for a wake-up: decode steps ran 1.5x slower in the server than offline
+    (benchmarks/RESULTS.md). A thread's pool goes when the thread ends."""
+    with ThreadPoolExecutor(1, thread_name_prefix="kvflow-load") as pool:
+        return pool.submit(LLMEngine.from_args, engine_args_from(args)).result()
+
+
 def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
     _banner(engine, args)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLOW_API_KEY")
@@ -224,7 +236,7 @@ def run_server(args: argparse.Namespace) -> int:
     _configure_logging()
     _install_start_up_signals()
     try:
-        engine = LLMEngine.from_args(engine_args_from(args))
+        engine = _load_engine(args)
         server = _build_server(engine, args)
     except ValueError as exc:
         print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
