@@ -1,8 +1,8 @@
-/* kvflow's native CPU kernels, for the decode steps of small batches, where a step is bound by
- * reading memory (weights, then K/V) once:
+/* kvflow's native CPU kernels, first for the decode steps of small batches, where a step is bound
+ * by reading memory (weights, then K/V) once:
  *
- *   kvflow_bf16_linear       y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 in and out
- *   kvflow_decode_attention  one query token per request over a paged KV cache, in place
+ *   kvflow_bf16_linear      y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 in and out
+ *   kvflow_paged_attention  any step's tokens (prompts, chunks, decodes) over a paged KV cache
  *
  * Both accumulate in float32. bf16 -> float32 is exact (a 16-bit shift); results are rounded to
  * nearest even. Built at run time by kvflow/model/cpu_kernels.py with the system C compiler

@@ -5,8 +5,8 @@ A decode step of a small model on a CPU is bound by reading memory once: the wei
 request's K/V. torch's paths read more than that: oneDNN's bf16 matmul reaches a fraction of the
 memory bandwidth at 1-8 rows, and the reference attention gathers every request's blocks into a
 padded copy before attending (see benchmarks/RESULTS.md). Two kernels read each byte once:
-`bf16_linear` (small-batch linear layers) and `decode_attention` (decode-only steps, K/V read
-where they lie in the paged cache).
+`bf16_linear` (linear layers up to the rows where oneDNN catches up) and `paged_attention`
+(every step: prompts, chunks and decode tokens, K/V read where they lie in the paged cache).
 
 The library is built with `-march=native` for the CPU it runs on, so the cache key holds the
 source, the compiler command and the CPU's identity; builds are atomic (compile to a temporary
