@@ -140,6 +140,28 @@ def test_failed_build_falls_back_with_a_warning(tmp_path) -> None:
     assert not list((tmp_path / "kernels").glob("*.so*"))  # no half-written library left
 
 
+def _spin_after_import(env: dict[str, str]) -> str:
+    code = "import os, kvflow, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def test_import_bounds_openmp_spinning_unless_told_otherwise() -> None:
+    """Sleeping OpenMP waits made the server's decode steps 1.7x slower (benchmarks/RESULTS.md):
+    importing kvflow asks libgomp for a bounded spin, and leaves a chosen policy or count alone."""
+    assert _spin_after_import({}) == "30000"
+    assert _spin_after_import({"OMP_WAIT_POLICY": "PASSIVE"}) == "None"
+    assert _spin_after_import({"GOMP_SPINCOUNT": "5"}) == "5"
+
+
 def _step_logits(model, hf_config, prompt: list[int], forced: list[int]) -> torch.Tensor:
     """Logits of a prefill of `prompt`, then of one decode step per token of `forced` (fed
     whatever the model predicted, so every run sees the same inputs): [1 + len(forced), vocab]."""

@@ -1,0 +1,46 @@
+"""`kvflow serve` loads the model on a thread that exits, so the engine thread's OpenMP pool is
+the process's only one (with a second pool left on the main thread, libgomp stops spinning between
+regions and decode steps ran 1.6x slower: benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Counts the process's threads after a load through the server's loader, then after a load on
+# the calling thread itself: each load runs parallel regions (weight packing, the profiling
+# forward), and libgomp keeps a pool of workers for a thread that ran one until it exits.
+PROBE = """
+import argparse, os
+import numpy, torch  # their own thread pools start at import, before the first count
+from kvflow.server.api_server import _load_engine
+from kvflow.server.args import add_serve_arguments, engine_args_from
+from kvflow.engine.llm_engine import LLMEngine
+
+args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+    ["--num-blocks", "64", "--max-model-len", "256", "--max-num-batched-tokens", "256"]
+)
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+_load_engine(args)
+after_loader = threads()
+LLMEngine.from_args(engine_args_from(args))
+print(before, after_loader, threads())
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no workers")
+def test_server_loader_leaves_no_openmp_pool_behind() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    before, after_loader, after_direct = map(int, done.stdout.split()[-3:])
+    assert after_loader == before, done.stdout + done.stderr
+    assert after_direct > after_loader  # the same load on this thread leaves its workers
