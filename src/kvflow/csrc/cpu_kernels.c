@@ -382,7 +382,7 @@ static inline void scores_row(const float *q, const uint16_t *base, const size_t
     for (int j0 = 0; j0 < n; j0 += 16) {
         const uint16_t *key[16];
         for (int i = 0; i < 16; i++) key[i] = j0 + i < n ? base + slots[j0 + i] * stride : zero;
-        for (int i = j0 + 16; i < j0 + 32 && i < n; i++) /* the next group's keys */
+        for (int i = j0 + 32; i < j0 + 48 && i < n; i++) /* the keys two groups ahead */
             for (int d = 0; d < D; d += 32) __builtin_prefetch(base + slots[i] * stride + d);
         v16f acc[16] = {0};
         for (int d = 0; d < D; d += 16) {
@@ -402,7 +402,9 @@ static inline __attribute__((always_inline)) void weighted_sum(
     v16f acc[4] = {0};
     for (int j = 0; j < n; j++) {
         const uint16_t *row = base + slots[j] * stride + off;
-        if (j + 8 < n) __builtin_prefetch(base + slots[j + 8] * stride + off);
+        if (j + 32 < n) /* each 64-byte line of the row 32 ahead */
+            for (int c = 0; c < nv; c += 2)
+                __builtin_prefetch(base + slots[j + 32] * stride + off + 16 * c);
         for (int c = 0; c < nv; c++) acc[c] += p[j] * load_bf16(row + 16 * c);
     }
     for (int c = 0; c < nv; c++) store_bf16(out + off + 16 * c, acc[c]);
