@@ -448,6 +448,18 @@ typedef struct { /* one thread's scratch for prefill tiles */
     const uint16_t **qrow; /* each query row's q, then RB copies of the first (padding) */
 } tile_scratch;
 
+/* x where `visible` is set (all bits), -inf elsewhere: such a key gets weight 0. */
+static inline v16f visible_or_ninf(v16f x, v16i visible) {
+    const float ninf = -__builtin_inff();
+    int32_t ninf_bits;
+    v16i bits;
+    memcpy(&ninf_bits, &ninf, sizeof ninf_bits);
+    memcpy(&bits, &x, sizeof bits);
+    bits = (bits & visible) | (ninf_bits & ~visible);
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
 /* Causal attention of m <= QT consecutive tokens of one request (positions pos0 .. pos0 + m - 1,
  * rows t0 .. of q) for KV head h, over keys kstart .. pos0 + m - 1 at `slots` (slots[0] is
  * position kstart): flash-attention style, 16 keys at a time with a running max and sum per
@@ -492,25 +504,18 @@ static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos
                     acc[i] = pair_fma(acc[i], qp, s->kp + dp * 32);
                 }
             }
-            for (int i = 0; i < RB && r0 + i < R; i++) memcpy(s->p + (size_t)(r0 + i) * 16, &acc[i], 64);
+            for (int i = 0; i < RB && r0 + i < R; i++)
+                memcpy(s->p + (size_t)(r0 + i) * 16, &acc[i], 64);
         }
         for (int r = 0; r < R; r++) {
-            int pos = pos0 + r / G;
-            v16i key = lane + j0;
-            v16i ok = (key <= pos) & (key < j0 + n);
-            if (window > 0) ok &= key > pos - window;
-            v16f sc = vload(s->p + (size_t)r * 16) * scale;
-            v16i bits;
-            memcpy(&bits, &sc, sizeof bits);
-            const float ninf = -__builtin_inff();
-            int32_t ninf_bits;
-            memcpy(&ninf_bits, &ninf, sizeof ninf_bits);
-            bits = (bits & ok) | (ninf_bits & ~ok);
-            memcpy(&sc, &bits, sizeof sc);
-            float cmax = ninf;
+            int pos = pos0 + r / G; /* keys past it (past the chunk's last key too) are hidden */
+            v16i key = lane + j0, visible = key <= pos;
+            if (window > 0) visible &= key > pos - window;
+            v16f sc = visible_or_ninf(vload(s->p + (size_t)r * 16) * scale, visible);
+            float cmax = -__builtin_inff();
             for (int i = 0; i < 16; i++) cmax = sc[i] > cmax ? sc[i] : cmax;
+            if (cmax == -__builtin_inff()) continue; /* no key of this chunk is visible */
             float *orow = s->o + (size_t)r * D;
-            if (cmax == ninf) continue; /* no key of this chunk is visible to the row */
             float mnew = cmax > s->mx[r] ? cmax : s->mx[r];
             float alpha = __builtin_expf(s->mx[r] - mnew);
             v16f w = vexp(sc - mnew);
@@ -528,7 +533,8 @@ static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos
     for (int r = 0; r < R; r++) {
         uint16_t *ob = out + ((size_t)(t0 + r / G) * Hq + h * G + r % G) * D;
         float inv = 1.0f / s->sum[r];
-        for (int c = 0; c < DV; c++) store_bf16(ob + 16 * c, vload(s->o + (size_t)r * D + 16 * c) * inv);
+        for (int c = 0; c < DV; c++)
+            store_bf16(ob + 16 * c, vload(s->o + (size_t)r * D + 16 * c) * inv);
     }
 }
 
@@ -612,7 +618,7 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
         for (int i = 0; i < items; i++) {
             work_item it = work[i];
             int t0q = query_start_loc[it.b], len = query_start_loc[it.b + 1] - t0q;
-            int pos0 = seq_lens[it.b] - len + (it.t0 - t0q); /* position of the item's first token */
+            int pos0 = seq_lens[it.b] - len + (it.t0 - t0q); /* the item's first position */
             int start = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
             int n = pos0 + it.m - start;
             fill_slots(block_tables + (size_t)it.b * max_blocks, block_size, start, n, slots);
