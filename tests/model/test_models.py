@@ -23,7 +23,8 @@ from transformers import (
 )
 
 from kvflow.attention import AttentionMetadata, token_positions
-from kvflow.model import allocate_kv_caches, load_model
+from kvflow.attention.cpu import cpu_paged_attention
+from kvflow.model import allocate_kv_caches, cpu_kernels, layers, load_model
 
 ATOL = RTOL = 1e-4
 VOCAB = 256
@@ -189,6 +190,40 @@ def test_chunked_through_paged_cache(loaded) -> None:
             torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
             done[req] += n
     assert done == lengths
+
+
+def test_bf16_prepack_releases_linear_weights_and_changes_no_logit(checkpoint, monkeypatch) -> None:
+    """On the CPU in bf16, a Linear holding both packings lets its weight go: the model answers
+    bit for bit as one that keeps every weight, through prefill chunks, mixed steps and decodes
+    (an untied head's logits included)."""
+    if not cpu_kernels.native_available():
+        pytest.skip("no native kernels: nothing is packed twice")
+    _, path, _ = checkpoint
+    kept, hf_config = load_model(path, torch.bfloat16, attn_backend=cpu_paged_attention)
+    with monkeypatch.context() as patch:
+        patch.setattr(layers, "_release_weight", lambda module: None)
+        layers.prepack_for_cpu(kept)
+    model, _ = load_model(path, torch.bfloat16, attn_backend=cpu_paged_attention)
+    layers.prepack_for_cpu(model)
+    linears = [m for m in model.modules() if isinstance(m, layers.Linear)]
+    assert linears and all(m.weight.untyped_storage().nbytes() <= 2 for m in linears)
+    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in kept.parameters())
+    head = getattr(model, "lm_head", None)
+    if head is not None:  # untied: the logits reuse the head's packings, not a second pair
+        assert model.head_native is head.native and model.head_packed is head.packed
+    lengths = [sum(n for step in SCHEDULE for r, n in step if r == req) for req in (0, 1)]
+    seqs = [_prompt(7, lengths[0]), _prompt(8, lengths[1])]
+    caches = [
+        allocate_kv_caches(hf_config, 16, BLOCK_SIZE, torch.bfloat16, "cpu") for _ in range(2)
+    ]
+    done = [0, 0]
+    for step in SCHEDULE:
+        chunks = [(seqs[r][done[r] : done[r] + n], done[r], BLOCKS[r]) for r, n in step]
+        ours, theirs = _step(model, caches[0], chunks), _step(kept, caches[1], chunks)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b)
+        for r, n in step:
+            done[r] += n
 
 
 def test_loader_rejects_incomplete_checkpoint(checkpoint, tmp_path) -> None:
