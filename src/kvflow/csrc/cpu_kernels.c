@@ -441,7 +441,7 @@ static void decode_heads(const uint16_t *qb, int G, int h, int D, size_t stride,
 #define RB 8 /* query rows per block of score accumulators */
 
 typedef struct { /* one thread's scratch for prefill tiles */
-    uint16_t *kp;  /* a 16-key chunk of K as [D / 2][16][2]: the linear kernel's pair layout */
+    uint32_t *kp;  /* a 16-key chunk of K as [D / 2][16] bf16 pairs: the linear kernel's layout */
     float *vf;     /* the chunk of V widened to float32, [16][D] (zeros past the last key) */
     float *o, *p;  /* per query row: the unnormalised output [D] and the chunk's weights [16] */
     float *mx, *sum;
@@ -480,14 +480,13 @@ static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos
     for (int j0 = kstart; j0 < kend; j0 += 16) {
         int n = kend - j0 < 16 ? kend - j0 : 16;
         const size_t *cs = slots + (j0 - kstart);
-        uint32_t *kp = (uint32_t *)s->kp;
         for (int i = 0; i < 16; i++) {
             const uint16_t *key = kc + cs[i < n ? i : 0] * stride + (size_t)h * D;
             const uint16_t *val = vc + cs[i < n ? i : 0] * stride + (size_t)h * D;
             for (int dp = 0; dp < D / 2; dp++) {
                 uint32_t pair;
                 memcpy(&pair, key + 2 * dp, sizeof pair);
-                kp[dp * 16 + i] = i < n ? pair : 0;
+                s->kp[dp * 16 + i] = i < n ? pair : 0;
             }
             for (int c = 0; c < DV; c++) {
                 v16f x = i < n ? load_bf16(val + 16 * c) : (v16f){0};
@@ -501,7 +500,7 @@ static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos
                 for (int i = 0; i < RB; i++) {
                     uint32_t qp;
                     memcpy(&qp, qrow[r0 + i] + 2 * dp, sizeof qp);
-                    acc[i] = pair_fma(acc[i], qp, s->kp + dp * 32);
+                    acc[i] = pair_fma(acc[i], qp, (const uint16_t *)(s->kp + dp * 16));
                 }
             }
             for (int i = 0; i < RB && r0 + i < R; i++)
@@ -600,7 +599,7 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
         float *qf = malloc(sizeof(float) * (size_t)D);
         tile_scratch s = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
         if (tiles > 0) {
-            s.kp = aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)D);
+            s.kp = aligned_alloc(64, sizeof(uint32_t) * 8 * (size_t)D);
             s.vf = aligned_alloc(64, sizeof(float) * 16 * (size_t)D);
             s.o = malloc(sizeof(float) * rows * (size_t)D);
             s.p = malloc(sizeof(float) * rows * 16);
@@ -622,7 +621,7 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
             int start = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
             int n = pos0 + it.m - start;
             fill_slots(block_tables + (size_t)it.b * max_blocks, block_size, start, n, slots);
-            if (it.m == 1 && len == 1) {
+            if (len == 1) { /* a decode token */
                 for (int h = it.h0; h < it.h0 + it.nh; h++)
                     decode_heads(q + (size_t)it.t0 * q_stride, G, h, D, stride, kc, vc, slots, n,
                                  scale, qf, scores, out + (size_t)it.t0 * Hq * D);
