@@ -36,6 +36,9 @@ is installed). Random-weight checkpoints are written to a temporary directory at
              transformers `generate` per new token at the same batch, and the floor: bytes a
              decode step must read (weights, and weights + this batch's KV) over the device-to-
              device copy bandwidth measured here; prefill throughput of both (16 x 1024 tokens).
+             "graph replay alone" is the decode graph replayed back to back (CUDA events): the
+             device's share of a step. Step less replay is the host's share; replay against
+             the floor is the kernels' (bytes moved against bytes counted).
              Rows still to run after --budget-s seconds are skipped (and say so).
 
 Prints a verdict line per check and ONE markdown table; `--out` gets everything as JSON (written
@@ -71,7 +74,7 @@ if not torch.cuda.is_available():
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.attention import AttentionMetadata, paged_attention, token_positions  # noqa: E402
 from kvflow.model import allocate_kv_caches  # noqa: E402
-from kvflow.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from kvflow.worker.cuda_graphs import DecodeGraphs, pack_inputs  # noqa: E402
 
 GIB = 1 << 30
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
@@ -514,9 +517,9 @@ def graph_replay_check(model, hf_config, dtype, device: str, seed: int) -> dict:
         row_blocks = [blocks[r] for r in rows]
         state = [c.clone() for c in caches]
         plain_state = [c.clone() for c in caches]
-        replayed = graphs.run(ids, positions, row_blocks).float().clone()
+        replayed = graphs.run(*pack_inputs(ids, positions, row_blocks)).float().clone()
         eager = DecodeGraphs(model, state, block, max_model_len, 16, device, capture=False)
-        padded = eager.run(ids, positions, row_blocks).float()
+        padded = eager.run(*pack_inputs(ids, positions, row_blocks)).float()
         plain = plain_forward(model, plain_state, [[t] for t in ids], positions, row_blocks)
         scale = float(plain.abs().max())
         vs_eager = max(vs_eager, float((replayed - padded).abs().max()) / scale)
@@ -783,12 +786,33 @@ def engine_decode_ms(llm: LLM, batch: int, prompt_len: int, warm: int, steps: in
             engine.step()
             step_times.append(time.perf_counter() - t0)
             other_steps += engine.core.last_step_tokens != batch  # should stay 0
+    device_ms = graph_device_ms(engine.core.runner.decode_graphs, batch)
     engine.abort_request(ids)
     return (
         1e3 * statistics.median(step_times),
         1e3 * statistics.median(timer.times),
         other_steps,
+        device_ms,
     )
+
+
+def graph_device_ms(graphs: DecodeGraphs | None, batch: int, reps: int = 20) -> float | None:
+    """Device time of one decode forward: the bucket's graph replayed back to back, timed with
+    CUDA events, so no host work sits between replays. A step's time less this is what the
+    host adds (scheduler, inputs, logits and sampler launches, update, detokenization).
+
+    Replays repeat the last step's inputs: they rewrite its K/V slots with the same values."""
+    if graphs is None or not graphs.use_graphs:
+        return None
+    graph, _ = graphs._graphs[graphs.bucket_for(batch)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def engine_prefill_tps(llm: LLM, num: int, length: int, seed: int) -> float:
@@ -865,14 +889,15 @@ def timing_rows(args, device: str, name: str, llm: LLM, hf, report: dict) -> Non
         runner.decode_graphs = graphs
         before = sum(graphs.steps.values())
         timed = engine_decode_ms(llm, batch, prompt_len, warm, steps, seed=10 * i)
-        row["kvflow_graphs"], row["kvflow_graphs_runner"], row["non_decode_steps"] = timed
+        row["kvflow_graphs"], row["kvflow_graphs_runner"], row["non_decode_steps"] = timed[:3]
+        row["graph_device_ms"] = timed[3]
         row["graph_steps"] = sum(graphs.steps.values()) - before
         runner.decode_graphs = None  # the same engine, every step eager
         try:
             timed = engine_decode_ms(llm, batch, prompt_len, warm, steps, seed=10 * i + 1)
         finally:
             runner.decode_graphs = graphs
-        row["kvflow_eager"], row["kvflow_eager_runner"], eager_other = timed
+        row["kvflow_eager"], row["kvflow_eager_runner"], eager_other, _ = timed
         row["non_decode_steps"] += eager_other
         row["transformers"] = hf_decode_ms(hf, batch, prompt_len, steps, device, seed=10 * i + 2)
         row["kvflow_graphs_tok_s"] = 1e3 * batch / row["kvflow_graphs"]
@@ -908,20 +933,22 @@ def markdown_table(report: dict) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [
-        "| model | workload | kvflow (graphs) | kvflow (eager) | transformers | floor | unit |",
-        "|---|---|---|---|---|---|---|",
+        "| model | workload | kvflow (graphs) | graph replay alone | kvflow (eager) | transformers "
+        "| floor | unit |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in report.get("timing", []):
         if "skipped" in row or "error" in row:
             what = "skipped" if "skipped" in row else "error (see JSON)"
-            lines.append(f"| {row['model']} | {row.get('workload', '')} | {what} | | | | |")
+            lines.append(f"| {row['model']} | {row.get('workload', '')} | {what} | | | | | |")
             continue
         floor = cell(row.get("floor_ms"), 3)
         if row.get("floor_weights_ms") is not None:
             floor = f"{row['floor_weights_ms']:.3f} / {row['floor_ms']:.3f}"
         lines.append(
             f"| {row['model']} | {row['workload']} | {cell(row['kvflow_graphs'])} | "
-            f"{cell(row['kvflow_eager'])} | {cell(row['transformers'])} | {floor} | {row['unit']} |"
+            f"{cell(row.get('graph_device_ms'), 3)} | {cell(row['kvflow_eager'])} | "
+            f"{cell(row['transformers'])} | {floor} | {row['unit']} |"
         )
     return "\n".join(lines)
 

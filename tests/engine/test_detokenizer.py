@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.metadata
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from kvflow.sampling_params import SamplingParams
 
 PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
@@ -159,3 +160,32 @@ def test_invalid_bytes_do_not_stall_the_stream(tokenizer: Any) -> None:
     detok, deltas, _ = stream(tokenizer, ids, SamplingParams())
     assert detok.output_text == tokenizer.decode(ids) == "".join(deltas)
     assert detok.output_text.endswith(" there")
+
+
+def test_fast_decode_matches_the_tokenizer(tokenizer: Any, monkeypatch: Any) -> None:
+    """The direct Rust decode returns what `tokenizer.decode` does, specials and bytes too."""
+    gen = random.Random(0)
+    vocab = len(tokenizer)
+    samples = [tokenizer.encode(PROMPT + MIXED)] + [
+        [gen.randrange(vocab) for _ in range(gen.randrange(1, 12))] for _ in range(300)
+    ]
+    cases = [(ids, skip) for ids in samples for skip in (False, True)]
+    expected = [tokenizer.decode(ids, skip_special_tokens=skip) for ids, skip in cases]
+    decode = fast_decode(tokenizer)
+
+    def wrapper_called(*args: Any, **kwargs: Any) -> str:
+        raise AssertionError("the Python wrapper ran: the direct path was not taken")
+
+    monkeypatch.setattr(tokenizer, "decode", wrapper_called)
+    assert [decode(ids, skip) for ids, skip in cases] == expected
+
+
+def test_fast_decode_keeps_the_tokenizers_space_clean_up() -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"hello": 0, ".": 1, "?": 2}, unk_token="hello"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True)
+    assert backend.decode([0, 1, 0, 2]) == "hello . hello ?"
+    assert fast_decode(tok)([0, 1, 0, 2], False) == tok.decode([0, 1, 0, 2]) == "hello. hello?"

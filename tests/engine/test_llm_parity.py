@@ -11,6 +11,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.model.loader import resolve_model
+from kvflow.worker.input_rows import InputRows
 
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -114,6 +115,46 @@ def test_preemption_by_tiny_pool_keeps_tokens(reference):
     assert greedy(llm, PROMPTS) == reference
     assert llm.engine.stats().num_preemptions_total > 0
     assert llm.engine.stats().kv_cache_usage == 0.0
+
+
+def test_runner_rows_grow_and_are_reused_through_preemption(reference):
+    """The runner's rows start too small in every dimension (one request, 4 tokens, 1 block):
+    they grow mid-run, preempted requests resume in reused rows, and the tokens stay exact."""
+    llm = LLM(None, dtype="float32", num_blocks=12, block_size=8, max_num_seqs=8)
+    runner = llm.engine.core.runner
+    runner.rows = InputRows(rows=1, tokens=4, blocks=1)
+    assert greedy(llm, PROMPTS) == reference
+    assert llm.engine.stats().num_preemptions_total > 0
+    rows = runner.rows
+    assert rows.token_ids.shape[0] > 1 and rows.token_ids.shape[1] >= 45 + N
+    # The runner forgets a finished request at its next step: the last one may still hold a row.
+    live = {state.row for state in runner.requests.values()}
+    assert len(live) <= 1 and sorted(rows._free + [*live]) == list(range(len(rows.num_tokens)))
+    assert not rows.block_table[rows._free].any()  # freed rows hold no stale block ids
+
+
+def test_repetition_penalty_equals_transformers(llm, model_dir):
+    """Penalties read prompt and output tokens from the runner's rows: greedy tokens under a
+    repetition penalty equal transformers' `generate`, beside an unpenalised request."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as ignore_eos: EOS is neither a stop nor masked
+    expected = []
+    with torch.inference_mode():
+        for prompt in PROMPTS[:2]:
+            ids = torch.tensor([tok.encode(prompt)])
+            out = hf.generate(
+                ids, max_new_tokens=N, do_sample=False, repetition_penalty=1.3, pad_token_id=0
+            )
+            expected.append(out[0, ids.shape[1] :].tolist())
+    penalised = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, repetition_penalty=1.3)
+    plain = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    outs = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], [penalised, plain, penalised])
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == expected
+    assert outs[1].outputs[0].token_ids == REF_CACHE[PROMPTS[2]]
+    assert expected != [REF_CACHE[p] for p in PROMPTS[:2]]  # the penalty changed the tokens
 
 
 def test_seeded_sampling_is_reproducible(llm):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3
 
 from kvflow.attention import AttentionMetadata
 from kvflow.model import allocate_kv_caches, load_model
-from kvflow.worker.cuda_graphs import DecodeGraphs, decode_buckets
+from kvflow.worker.cuda_graphs import DecodeGraphs, decode_buckets, pack_inputs
 
 VOCAB = 256
 BLOCK_SIZE = 4
@@ -147,7 +147,7 @@ def check_step(
     chunks = [([t], p, b) for t, p, b in zip(ids, positions, blocks, strict=True)]
     expected = plain_forward(model, plain_caches, chunks)
     with torch.inference_mode():
-        hidden = graphs.run(ids, positions, blocks).clone()
+        hidden = graphs.run(*pack_inputs(ids, positions, blocks)).clone()
     assert hidden.shape == expected.shape
     torch.testing.assert_close(hidden, expected, atol=tol, rtol=tol)
     torch.testing.assert_close(
@@ -210,6 +210,6 @@ def test_rows_beyond_their_blocks_are_refused(loaded) -> None:
     graphs = DecodeGraphs(model, caches, BLOCK_SIZE, MAX_MODEL_LEN, 8, "cpu", capture=False)
     assert graphs.fits(8) and not graphs.fits(9) and not graphs.fits(0)
     with pytest.raises(ValueError, match="blocks for their positions"):
-        graphs.run([5], [4], [[3]])  # position 4 needs a second block of 4
+        graphs.run(*pack_inputs([5], [4], [[3]]))  # position 4 needs a second block of 4
     with pytest.raises(ValueError, match="largest bucket"):
-        graphs.run([5] * 9, [0] * 9, [[3]] * 9)
+        graphs.run(*pack_inputs([5] * 9, [0] * 9, [[3]] * 9))

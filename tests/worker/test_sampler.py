@@ -10,6 +10,7 @@ import torch
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.sampler import (
     SamplingMetadata,
+    TokenHistory,
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
@@ -30,8 +31,10 @@ def build(
     n = len(params)
     return SamplingMetadata.build(
         params,
-        prompts if prompts is not None else [[] for _ in range(n)],
-        outputs if outputs is not None else [[] for _ in range(n)],
+        TokenHistory.from_lists(
+            prompts if prompts is not None else [[] for _ in range(n)],
+            outputs if outputs is not None else [[] for _ in range(n)],
+        ),
         generators if generators is not None else [None] * n,
         eos_token_id=EOS,
         vocab_size=vocab,

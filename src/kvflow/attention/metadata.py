@@ -58,27 +58,45 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
-        """Build the metadata with vectorized numpy (no per-token Python work).
+        """`from_table` over `block_ids` packed into a table (callers without persistent rows)."""
+        if not (len(num_computed_tokens) == len(block_ids) == len(query_lens)):
+            raise ValueError("query_lens, num_computed_tokens and block_ids differ in length")
+        table, num_blocks = pack_block_ids(block_ids)
+        return cls.from_table(
+            np.asarray(query_lens, dtype=np.int64),
+            np.asarray(num_computed_tokens, dtype=np.int64),
+            table,
+            num_blocks,
+            block_size,
+            device,
+        )
+
+    @classmethod
+    def from_table(
+        cls,
+        q_lens: np.ndarray,
+        computed: np.ndarray,
+        table: np.ndarray,
+        num_blocks: np.ndarray,
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Vectorized numpy, no per-token Python work. Row b of `table` [B, W] holds request b's
+        `num_blocks[b]` blocks, then zeros; `q_lens` and `computed` are int64 [B].
 
         Raises ValueError if a request's blocks cannot hold its context or a query length is < 1
         (both are caller bugs: the scheduler allocates slots before scheduling tokens).
         """
-        num_reqs = len(query_lens)
-        if not (len(num_computed_tokens) == len(block_ids) == num_reqs):
-            raise ValueError("query_lens, num_computed_tokens and block_ids differ in length")
-        q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)
-        computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(num_reqs)
+        num_reqs = len(q_lens)
         seq_lens = computed + q_lens
-        num_blocks = np.fromiter((len(b) for b in block_ids), dtype=np.int64, count=num_reqs)
         if num_reqs and q_lens.min() < 1:
-            raise ValueError(f"every scheduled request needs >= 1 token, got {query_lens}")
+            raise ValueError(f"every scheduled request needs >= 1 token, got {q_lens.tolist()}")
         if np.any(num_blocks * block_size < seq_lens):
             bad = int(np.argmax(num_blocks * block_size < seq_lens))
             raise ValueError(
                 f"request {bad} has {num_blocks[bad]} blocks of {block_size} tokens "
                 f"for a context of {seq_lens[bad]} tokens"
             )
-        table = _block_table(block_ids, num_blocks)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         slot_mapping = _slot_mapping(table, q_lens, computed, query_start_loc, block_size)
@@ -102,15 +120,17 @@ def token_positions(query_lens: list[int], num_computed_tokens: list[int]) -> np
     return np.arange(total, dtype=np.int64) - np.repeat(starts - computed, q_lens)
 
 
-def _block_table(block_ids: list[list[int]], num_blocks: np.ndarray) -> np.ndarray:
-    """[B, max_blocks] int64, row b = block_ids[b] then zeros (the null block)."""
+def pack_block_ids(block_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(table int32 [B, max(1, widest row)], block counts int64 [B]): row b is block_ids[b]
+    then zeros (the null block)."""
+    num_blocks = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
     width = max(int(num_blocks.max()) if num_blocks.size else 0, 1)
-    table = np.zeros((len(block_ids), width), dtype=np.int64)
+    table = np.zeros((len(block_ids), width), dtype=np.int32)
     flat = np.fromiter(
-        itertools.chain.from_iterable(block_ids), dtype=np.int64, count=int(num_blocks.sum())
+        itertools.chain.from_iterable(block_ids), dtype=np.int32, count=int(num_blocks.sum())
     )
     table[np.arange(width)[None, :] < num_blocks[:, None]] = flat
-    return table
+    return table, num_blocks
 
 
 def _slot_mapping(
@@ -122,7 +142,8 @@ def _slot_mapping(
 ) -> np.ndarray:
     req = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req] + computed[req]
-    return table[req, positions // block_size] * block_size + positions % block_size
+    blocks = table[req, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
 
 
 def _to(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -26,8 +26,9 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its `start`-th block on."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())[start:]]
 
     def _hashes(self, request: Request) -> list[BlockHash]:
         known = self._req_to_hashes.get(request.request_id, [])
@@ -77,6 +78,10 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_new_blocks = cdiv(total, self.block_size) - len(held) - len(new_computed_blocks)
+        if num_new_blocks <= 0 and not new_computed_blocks:  # most decode steps: room is held
+            if self.enable_caching:
+                self._cache_full_blocks(request, held, min(total, request.num_tokens))
+            return []
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - evictable_hits:
             return None

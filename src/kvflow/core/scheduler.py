@@ -130,13 +130,13 @@ class Scheduler:
         new_reqs, cached_reqs = [], []
         for req_id in num_tokens:
             req = self.requests[req_id]
-            block_ids = self.kv.get_block_ids(req_id)
             known = self._runner_blocks.get(req_id)
-            if known is not None:
-                cached_reqs.append(
-                    CachedRequestData(req_id, block_ids[known:], req.num_computed_tokens)
-                )
+            if known is not None:  # the runner has `known` blocks: send the rest only
+                new_ids = self.kv.get_block_ids(req_id, known)
+                cached_reqs.append(CachedRequestData(req_id, new_ids, req.num_computed_tokens))
+                self._runner_blocks[req_id] = known + len(new_ids)
             else:
+                block_ids = self.kv.get_block_ids(req_id)
                 self._forget.discard(req_id)
                 new_reqs.append(
                     NewRequestData(
@@ -148,7 +148,7 @@ class Scheduler:
                         req.num_computed_tokens,
                     )
                 )
-            self._runner_blocks[req_id] = len(block_ids)
+                self._runner_blocks[req_id] = len(block_ids)
         forget, self._forget = self._forget, set()
         return SchedulerOutput(
             new_reqs, cached_reqs, num_tokens, sum(num_tokens.values()), forget, num_preemptions

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvflow.core.messages import EngineCoreOutput, TokenLogprobs
-from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -40,6 +40,7 @@ class _Parent:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._decode = fast_decode(tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
 
@@ -55,7 +56,9 @@ class OutputProcessor:
         for i, child_id in enumerate(child_request_ids(request_id, params.n)):
             detok = None
             if params.detokenize:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params, self._decode
+                )
             parent.choices[child_id] = _Choice(i, detok)
             self._child_to_parent[child_id] = parent
         self._parents[request_id] = parent

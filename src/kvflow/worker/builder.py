@@ -25,7 +25,7 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.model_runner import ModelRunner
-from kvflow.worker.sampler import SamplingMetadata, sample
+from kvflow.worker.sampler import SamplingMetadata, TokenHistory, sample
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -109,8 +109,7 @@ def profile_step(
         logits = model.compute_logits(hidden[ends])
         sampling = SamplingMetadata.build(
             [params] * num_reqs,
-            [[0] * q for q in q_lens],
-            [[] for _ in q_lens],
+            TokenHistory.from_lists([[0] * q for q in q_lens], [[] for _ in q_lens]),
             [None] * num_reqs,
             None,
             hf_config.vocab_size,

@@ -47,7 +47,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.metadata import AttentionMetadata, pack_block_ids
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -60,6 +60,14 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     (max_num_seqs, or 256 when it is larger; bigger decode batches run eagerly)."""
     cap = max(1, min(max_num_seqs, BUCKETS[-1]))
     return [b for b in BUCKETS if b < cap] + [cap]
+
+
+def pack_inputs(
+    input_ids: list[int], positions: list[int], block_ids: list[list[int]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`DecodeGraphs.run`'s arguments from lists (callers without persistent rows)."""
+    table, num_blocks = pack_block_ids(block_ids)
+    return np.asarray(input_ids, dtype=np.int64), np.asarray(positions, np.int64), table, num_blocks
 
 
 class DecodeGraphs:
@@ -111,10 +119,15 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= num_reqs)
 
     def run(
-        self, input_ids: list[int], positions: list[int], block_ids: list[list[int]]
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        block_table: np.ndarray,
+        num_blocks: np.ndarray,
     ) -> torch.Tensor:
         """Final hidden states [B, hidden] of B decode tokens: request b's token `input_ids[b]`
-        at position `positions[b]` (its context before this step), its blocks `block_ids[b]`.
+        at position `positions[b]` (its context before this step), its `num_blocks[b]` blocks
+        in row b of `block_table` [B, W] (then zeros; `pack_block_ids` makes one from lists).
 
         The result is a view into the graph's output, valid until the next call.
         """
@@ -122,7 +135,7 @@ class DecodeGraphs:
         if not self.fits(num_reqs):
             raise ValueError(f"{num_reqs} requests do not fit the largest bucket {self.max_batch}")
         bucket = self.bucket_for(num_reqs)
-        self._load(bucket, input_ids, positions, block_ids)
+        self._load(bucket, input_ids, positions, block_table, num_blocks)
         self.steps[bucket] += 1
         if self.use_graphs:
             if bucket not in self._graphs:
@@ -142,7 +155,7 @@ class DecodeGraphs:
         start = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
-            self._load(bucket, [], [], [])
+            self._load(bucket, *pack_inputs([], [], []))
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -176,29 +189,29 @@ class DecodeGraphs:
         return self.model(ids, positions, self.kv_caches, meta)
 
     def _load(
-        self, bucket: int, input_ids: list[int], positions: list[int], block_ids: list[list[int]]
+        self,
+        bucket: int,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        block_table: np.ndarray,
+        num_blocks: np.ndarray,
     ) -> None:
         """Lay the step out on the host (real rows, then padding) and copy it to the device."""
         num_reqs, bs = len(input_ids), self.block_size
         pos = np.asarray(positions, dtype=np.int64).reshape(num_reqs)
-        counts = np.fromiter(map(len, block_ids), dtype=np.int64, count=num_reqs)
-        width = max(int(counts.max()) if num_reqs else 0, 1)
-        if width > self.max_blocks or np.any(pos // bs >= counts):
+        width = max(int(num_blocks.max()) if num_reqs else 0, 1)
+        if width > self.max_blocks or np.any(pos // bs >= num_blocks):
             raise ValueError(
                 f"decode rows need blocks for their positions, at most {self.max_blocks} each "
-                f"(positions {positions}, block counts {counts.tolist()})"
+                f"(positions {pos.tolist()}, block counts {num_blocks.tolist()})"
             )
         if self._copied is not None:
             self._copied.synchronize()
         longs = self._host_longs_np[: 3 * bucket].reshape(3, bucket)
         ints = self._host_ints_np[: bucket * (1 + width)]
         seq_lens, table = ints[:bucket], ints[bucket:].reshape(bucket, width)
-        table.fill(0)
-        if num_reqs:
-            flat = np.fromiter(
-                (b for row in block_ids for b in row), dtype=np.int32, count=int(counts.sum())
-            )
-            table[:num_reqs][np.arange(width)[None, :] < counts[:, None]] = flat
+        table[:num_reqs] = block_table[:, :width]
+        table[num_reqs:] = 0
         rows = np.arange(num_reqs)
         longs[:, num_reqs:] = 0
         longs[0, :num_reqs] = input_ids

@@ -5,38 +5,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.metadata import AttentionMetadata, token_positions
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.cuda_graphs import DecodeGraphs
+from kvflow.worker.input_rows import InputRows
 from kvflow.worker.sampler import SamplingMetadata, sample
 
 
 @dataclass
 class CachedRequestState:
-    """The runner's copy of a request: what it needs to build inputs without being re-sent."""
+    """The runner's copy of a request: what it needs to build inputs without being re-sent.
+    Its tokens, block ids and counters live in its row of `InputRows`."""
 
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
     params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
     generator: torch.Generator | None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_slice(self, start: int, n: int) -> list[int]:
-        """Tokens [start, start + n) of prompt + outputs, without concatenating the two."""
-        p = len(self.prompt_token_ids)
-        if start + n <= p:
-            return self.prompt_token_ids[start : start + n]
-        if start >= p:
-            return self.output_token_ids[start - p : start - p + n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: start + n - p]
+    row: int
 
 
 class ModelRunner:
@@ -57,31 +45,34 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.device = torch.device(device)
         self.requests: dict[str, CachedRequestState] = {}
+        self.rows = InputRows()
         # Decode-only steps that fit its largest bucket run through it (CUDA graphs); None
         # (the CPU, --enforce-eager): every step is one eager forward.
         self.decode_graphs = decode_graphs
 
     def _update_states(self, sched: SchedulerOutput) -> None:
+        rows = self.rows
         for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                rows.remove(state.row)
         for new in sched.new_reqs:
             params: SamplingParams = new.sampling_params
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(params.seed)
-            self.requests[new.req_id] = CachedRequestState(
-                new.prompt_token_ids,
-                list(new.output_token_ids),
-                params,
-                list(new.block_ids),
-                new.num_computed_tokens,
-                gen,
+            if new.req_id in self.requests:  # resumed without being forgotten: free the old row
+                rows.remove(self.requests[new.req_id].row)
+            row = rows.add(
+                new.prompt_token_ids, new.output_token_ids, new.block_ids, new.num_computed_tokens
             )
+            self.requests[new.req_id] = CachedRequestState(new.prompt_token_ids, params, gen, row)
         for cached in sched.cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            row = self.requests[cached.req_id].row
+            if cached.new_block_ids:
+                rows.append_blocks(row, cached.new_block_ids)
+            rows.num_computed[row] = cached.num_computed_tokens
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         # Denormal floats make x86 float32 math crawl: measured 8x slower steps at batch 32
@@ -99,58 +90,51 @@ class ModelRunner:
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
         req_ids = list(sched.num_scheduled_tokens)
-        states = [self.requests[r] for r in req_ids]
-        query_lens = [sched.num_scheduled_tokens[r] for r in req_ids]
-        computed = [s.num_computed_tokens for s in states]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for s, n, c in zip(states, query_lens, computed, strict=True):
-            input_ids.extend(s.token_slice(c, n))
-            positions.extend(range(c, c + n))
+        num_reqs, rows = len(req_ids), self.rows
+        index = np.fromiter((self.requests[r].row for r in req_ids), np.intp, num_reqs)
+        q_lens = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, num_reqs)
+        computed = rows.num_computed[index]
+        ends = computed + q_lens
+        positions = token_positions(q_lens, computed)
+        input_ids = rows.input_ids(index, q_lens, positions)
+        num_blocks = rows.num_blocks[index]
+        table = rows.block_table[index, : max(int(num_blocks.max()), 1)]
         # Rows that complete their request's known tokens produce the next token. What the
         # sampler needs goes to the device before the forward is queued: on a GPU a host ->
         # device copy waits for the stream, so made after the forward it would stall the host
         # until the forward ended.
-        sample_rows = [
-            i
-            for i, (s, n, c) in enumerate(zip(states, query_lens, computed, strict=True))
-            if c + n == s.num_tokens
-        ]
-        sample_ids = [req_ids[i] for i in sample_rows]
+        sample_rows = np.flatnonzero(ends == rows.num_tokens[index])
+        decode_only = len(sample_rows) == num_reqs == len(input_ids)  # each request's newest
+        sample_ids = [req_ids[i] for i in sample_rows.tolist()]
         logit_rows = None  # every token's row is sampled (decode steps): no gather needed
-        if sample_rows:
-            if len(sample_rows) < len(input_ids):
-                ends = torch.tensor(query_lens).cumsum(0) - 1
-                logit_rows = ends[sample_rows].to(self.device)
-            sampling = self._sampling_metadata(sample_ids)
+        if sample_ids:
+            if not decode_only:
+                logit_rows = torch.from_numpy(q_lens.cumsum()[sample_rows] - 1).to(self.device)
+            sampling = self._sampling_metadata(sample_ids, index[sample_rows])
         graphs = self.decode_graphs
-        decode_only = len(input_ids) == len(req_ids)  # one token per request
-        if graphs is not None and decode_only and graphs.fits(len(req_ids)):
-            hidden = graphs.run(input_ids, positions, [s.block_ids for s in states])
+        if graphs is not None and decode_only and graphs.fits(num_reqs):
+            hidden = graphs.run(input_ids, computed, table, num_blocks)
         else:
-            meta = AttentionMetadata.build(
-                query_lens, computed, [s.block_ids for s in states], self.block_size, self.device
+            meta = AttentionMetadata.from_table(
+                q_lens, computed, table, num_blocks, self.block_size, self.device
             )
             hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device),
+                torch.from_numpy(input_ids).to(self.device),
+                torch.from_numpy(positions).to(self.device),
                 self.kv_caches,
                 meta,
             )
-        for s, n in zip(states, query_lens, strict=True):
-            s.num_computed_tokens += n
-        sampled: dict[str, list[int]] = {r: [] for r in req_ids}
-        if not sample_rows:
-            return ModelRunnerOutput(sampled)
+        rows.num_computed[index] = ends
+        if not sample_ids:
+            return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        return self._sample(logits, sample_ids, sampled, sampling)
+        return self._sample(logits, sample_ids, sampling)
 
-    def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+    def _sampling_metadata(self, req_ids: list[str], index: np.ndarray) -> SamplingMetadata:
         states = [self.requests[r] for r in req_ids]
         return SamplingMetadata.build(
             [s.params for s in states],
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
+            self.rows.history(index),
             [s.generator for s in states],
             self.eos_token_id,
             self.vocab_size,
@@ -158,28 +142,26 @@ class ModelRunner:
         )
 
     def _sample(
-        self,
-        logits: torch.Tensor,
-        req_ids: list[str],
-        sampled: dict[str, list[int]],
-        meta: SamplingMetadata | None = None,
+        self, logits: torch.Tensor, req_ids: list[str], meta: SamplingMetadata
     ) -> ModelRunnerOutput:
-        """Sample row i of `logits` for req_ids[i]; `meta` is built here when not given."""
-        states = [self.requests[r] for r in req_ids]
-        if meta is None:
-            meta = self._sampling_metadata(req_ids)
+        """Sample row i of `logits` for req_ids[i] and append the tokens to their requests."""
         # The step's first device -> host copy (the sampled ids); bad rows and logprobs follow.
         out = sample(logits, meta)
         token_ids = out.sampled.tolist()
-        failed = {}
-        for row in out.bad_rows:
-            failed[req_ids[row]] = "the model produced non-finite logits for this request"
+        failed = {
+            req_ids[row]: "the model produced non-finite logits for this request"
+            for row in out.bad_rows
+        }
+        sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
-        for row, (req_id, state, token) in enumerate(zip(req_ids, states, token_ids, strict=True)):
+        kept_rows, kept_tokens = [], []
+        for i, (req_id, token) in enumerate(zip(req_ids, token_ids, strict=True)):
             if req_id in failed:
                 continue
-            state.output_token_ids.append(token)
+            kept_rows.append(self.requests[req_id].row)
+            kept_tokens.append(token)
             sampled[req_id] = [token]
-            if out.logprobs is not None and out.logprobs[row] is not None:
-                logprobs[req_id] = [out.logprobs[row]]
+            if out.logprobs is not None and out.logprobs[i] is not None:
+                logprobs[req_id] = [out.logprobs[i]]
+        self.rows.append_tokens(kept_rows, kept_tokens)
         return ModelRunnerOutput(sampled, logprobs, failed)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,6 +30,40 @@ _ALL_GREEDY_FIELDS: dict[str, Any] = {
     "top_p": None,
     "min_p": None,
 }
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens of the rows being sampled: row i is `token_ids[rows[i]]`, whose first
+    `prompt_lens[i]` entries are the prompt and the next ones, up to `num_tokens[i]`, the
+    generated tokens (entries after that are ignored). Penalties read it, padded on demand."""
+
+    token_ids: np.ndarray  # int [R, W]
+    rows: np.ndarray  # int [B]
+    prompt_lens: np.ndarray  # int64 [B]
+    num_tokens: np.ndarray  # int64 [B]
+
+    @classmethod
+    def from_lists(cls, prompts: list[list[int]], outputs: list[list[int]]) -> TokenHistory:
+        rows = [p + o for p, o in zip(prompts, outputs, strict=True)]
+        num_tokens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        table = np.zeros((len(rows), max(int(num_tokens.max(initial=0)), 1)), dtype=np.int64)
+        for i, row in enumerate(rows):
+            table[i, : len(row)] = row
+        prompt_lens = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+        return cls(table, np.arange(len(rows)), prompt_lens, num_tokens)
+
+    @property
+    def num_outputs(self) -> np.ndarray:
+        return self.num_tokens - self.prompt_lens
+
+    def padded(self, start: np.ndarray, end: np.ndarray, pad: int) -> np.ndarray:
+        """int64 [B, max(end - start)]: row i is its tokens [start[i], end[i]), then `pad`."""
+        width = int((end - start).max(initial=0))
+        cols = start[:, None] + np.arange(width)
+        inside = cols < end[:, None]
+        ids = self.token_ids[self.rows[:, None], np.where(inside, cols, 0)]
+        return np.where(inside, ids, pad).astype(np.int64)
 
 
 @dataclass
@@ -69,8 +104,7 @@ class SamplingMetadata:
     def build(
         cls,
         params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
+        history: TokenHistory,
         generators: list[torch.Generator | None],
         eos_token_id: int | None,
         vocab_size: int,
@@ -88,8 +122,13 @@ class SamplingMetadata:
         if not all_greedy:
             random_fields = _random_fields(params, greedy, vocab_size, device)
         any_penalty = rep is not None or freq is not None or pres is not None
-        prompt_ids = _pad(prompt_token_ids, vocab_size, device) if rep is not None else None
-        output_ids = _pad(output_token_ids, vocab_size, device) if any_penalty else None
+        prompt_ids = output_ids = None
+        if rep is not None:
+            zero = np.zeros_like(history.prompt_lens)
+            prompt_ids = _to(history.padded(zero, history.prompt_lens, vocab_size), device)
+        if any_penalty:
+            ids = history.padded(history.prompt_lens, history.num_tokens, vocab_size)
+            output_ids = _to(ids, device)
         return cls(
             all_greedy=all_greedy,
             all_random=not any(greedy),
@@ -100,9 +139,7 @@ class SamplingMetadata:
             repetition_penalties=rep,
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
-            min_tokens_mask=_min_tokens_pairs(
-                params, output_token_ids, eos_token_id, vocab_size, device
-            ),
+            min_tokens_mask=_min_tokens_pairs(params, history, eos_token_id, vocab_size, device),
             max_num_logprobs=max(wanted) if wanted else None,
             num_logprobs=num_logprobs,
         )
@@ -140,23 +177,24 @@ def _random_fields(
     return fields
 
 
-def _pad(rows: list[list[int]], pad: int, device: torch.device | str) -> Tensor:
-    width = max((len(r) for r in rows), default=0)
-    padded = [r + [pad] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), width)
+def _to(ids: np.ndarray, device: torch.device | str) -> Tensor:
+    return torch.from_numpy(ids).to(device)
 
 
 def _min_tokens_pairs(
     params: list[SamplingParams],
-    output_token_ids: list[list[int]],
+    history: TokenHistory,
     eos_token_id: int | None,
     vocab_size: int,
     device: torch.device | str,
 ) -> tuple[Tensor, Tensor] | None:
+    if all(p.min_tokens == 0 for p in params):
+        return None
+    num_outputs = history.num_outputs.tolist()
     rows: list[int] = []
     ids: list[int] = []
     for i, p in enumerate(params):
-        if p.min_tokens == 0 or len(output_token_ids[i]) >= p.min_tokens:
+        if p.min_tokens == 0 or num_outputs[i] >= p.min_tokens:
             continue
         blocked = set(p.stop_token_ids)
         if eos_token_id is not None:
