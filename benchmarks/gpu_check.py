@@ -38,7 +38,9 @@ is installed). Random-weight checkpoints are written to a temporary directory at
              device copy bandwidth measured here; prefill throughput of both (16 x 1024 tokens).
              "graph replay alone" is the decode graph replayed back to back (CUDA events): the
              device's share of a step. Step less replay is the host's share; replay against
-             the floor is the kernels' (bytes moved against bytes counted).
+             the floor is the kernels' (bytes moved against bytes counted). "no output
+             overlap": the graphs engine detokenizing each step after it, not while the next
+             step runs (--disable-async-output-proc).
              Rows still to run after --budget-s seconds are skipped (and say so).
 
 Prints a verdict line per check and ONE markdown table; `--out` gets everything as JSON (written
@@ -585,10 +587,12 @@ def engine_kwargs(device: str) -> dict:
 
 def attach_padded_path(llm: LLM) -> str:
     """The engine's decode path label. CPU engines have no graphs: give them an eager
-    DecodeGraphs so --smoke runs the padded code the GPU replays."""
+    DecodeGraphs (and outputs processed while the next step runs) so --smoke runs the code a
+    GPU engine runs."""
     runner = llm.engine.core.runner
     if runner.decode_graphs is not None:
         return "cuda graphs"
+    llm.engine.async_output = True
     runner.decode_graphs = DecodeGraphs(
         runner.model,
         runner.kv_caches,
@@ -743,25 +747,33 @@ def copy_bandwidth(device: str, smoke: bool) -> float:
 
 
 class StepTimer:
-    """Wraps the runner's `execute` to time the model + sampler part of each engine step."""
+    """Wraps the runner's `launch` to time the model + sampler part of each engine step: the
+    launch and the wait for its sampled ids, not what the engine does in between."""
 
     def __init__(self, runner) -> None:
         self.runner, self.times = runner, []
-        self.inner = runner.execute
+        self.inner = runner.launch
 
     def __enter__(self):
         def timed(sched):
             t0 = time.perf_counter()
-            try:
-                return self.inner(sched)
-            finally:
-                self.times.append(time.perf_counter() - t0)
+            wait = self.inner(sched)
+            launched = time.perf_counter() - t0
 
-        self.runner.execute = timed
+            def timed_wait():
+                t1 = time.perf_counter()
+                try:
+                    return wait()
+                finally:
+                    self.times.append(launched + time.perf_counter() - t1)
+
+            return timed_wait
+
+        self.runner.launch = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.runner.execute  # back to the class's method
+        del self.runner.launch  # back to the class's method
 
 
 def engine_decode_ms(llm: LLM, batch: int, prompt_len: int, warm: int, steps: int, seed: int):
@@ -892,6 +904,12 @@ def timing_rows(args, device: str, name: str, llm: LLM, hf, report: dict) -> Non
         row["kvflow_graphs"], row["kvflow_graphs_runner"], row["non_decode_steps"] = timed[:3]
         row["graph_device_ms"] = timed[3]
         row["graph_steps"] = sum(graphs.steps.values()) - before
+        overlap, llm.engine.async_output = llm.engine.async_output, False
+        try:  # outputs processed after each step instead of while the next runs
+            timed = engine_decode_ms(llm, batch, prompt_len, warm, steps, seed=10 * i + 3)
+        finally:
+            llm.engine.async_output = overlap
+        row["kvflow_graphs_no_overlap"] = timed[0]
         runner.decode_graphs = None  # the same engine, every step eager
         try:
             timed = engine_decode_ms(llm, batch, prompt_len, warm, steps, seed=10 * i + 1)
@@ -933,21 +951,22 @@ def markdown_table(report: dict) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [
-        "| model | workload | kvflow (graphs) | graph replay alone | kvflow (eager) | transformers "
-        "| floor | unit |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | workload | kvflow (graphs) | no output overlap | graph replay alone "
+        "| kvflow (eager) | transformers | floor | unit |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report.get("timing", []):
         if "skipped" in row or "error" in row:
             what = "skipped" if "skipped" in row else "error (see JSON)"
-            lines.append(f"| {row['model']} | {row.get('workload', '')} | {what} | | | | | |")
+            lines.append(f"| {row['model']} | {row.get('workload', '')} | {what} | | | | | | |")
             continue
         floor = cell(row.get("floor_ms"), 3)
         if row.get("floor_weights_ms") is not None:
             floor = f"{row['floor_weights_ms']:.3f} / {row['floor_ms']:.3f}"
         lines.append(
             f"| {row['model']} | {row['workload']} | {cell(row['kvflow_graphs'])} | "
-            f"{cell(row.get('graph_device_ms'), 3)} | {cell(row['kvflow_eager'])} | "
+            f"{cell(row.get('kvflow_graphs_no_overlap'))} | {cell(row.get('graph_device_ms'), 3)} | "
+            f"{cell(row['kvflow_eager'])} | "
             f"{cell(row['transformers'])} | {floor} | {row['unit']} |"
         )
     return "\n".join(lines)

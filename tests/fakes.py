@@ -7,6 +7,7 @@ be readable through its block table at the slot where it was written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
@@ -35,6 +36,10 @@ class FakeRunner:
     states: dict[str, _State] = field(default_factory=dict)
     kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (position, token)
     steps: list[SchedulerOutput] = field(default_factory=list)
+
+    def launch(self, sched: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        output = self.execute(sched)
+        return lambda: output
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(sched)

@@ -198,6 +198,50 @@ def test_n_choices_stop_strings_and_logprobs(llm):
     assert llm.engine.stats().kv_cache_usage == 0.0
 
 
+def test_async_output_processing_changes_no_output(llm, reference):
+    """Outputs processed one step late, while the next step runs (the GPU default), are the
+    same outputs: greedy tokens through preemption, seeded n > 1 choices with logprobs, and a
+    stop string, whose request the core ends a step later (the token it computed meanwhile is
+    dropped); every block comes back."""
+    late = LLM(None, dtype="float32", num_blocks=12, block_size=8, max_num_seqs=8)
+    late.engine.async_output = True
+    assert greedy(late, PROMPTS) == reference
+    assert late.engine.stats().num_preemptions_total > 0
+
+    def fields(outputs):
+        return [
+            (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason)
+            for o in outputs
+            for c in o.outputs
+        ]
+
+    def logprobs(outputs):
+        return [
+            {t: lp.logprob for t, lp in entry.items()}
+            for o in outputs
+            for c in o.outputs
+            for entry in c.logprobs or ()
+        ]
+
+    prompt = "The capital of France is"
+    cases = [
+        SamplingParams(temperature=0, max_tokens=12, stop=["Paris"]),
+        SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, stop=[" capital", "Paris"]),
+    ]
+    for params in cases:
+        got, want = late.generate(prompt, params), llm.generate(prompt, params)
+        assert fields(got) == fields(want)  # logprobs to float rounding: block sizes differ
+        assert logprobs(got) == [pytest.approx(e, abs=1e-4) for e in logprobs(want)]
+    steps = late.engine.stats().num_steps
+    stopped = late.generate(prompt, cases[0].clone(max_tokens=40))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "Paris"
+    # the core ended it one step after the stop string, not at max_tokens
+    assert late.engine.stats().num_steps - steps <= len(stopped.token_ids) + 3
+    assert not late.engine.has_unfinished_requests()
+    assert late.engine.stats().kv_cache_usage == 0.0
+
+
 def test_chat_uses_the_template(llm):
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -24,8 +25,19 @@ class Recorder:
         self.stats.append(stats)
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["output-after-step", "async-output"])
+def async_output(request, monkeypatch) -> None:
+    """Every test twice: outputs processed after their step, and while the next step runs (the
+    GPU default: a step returns the previous step's outputs)."""
+    monkeypatch.setattr(sys.modules[__name__], "ASYNC_OUTPUT", request.param)
+
+
+ASYNC_OUTPUT = False
+
+
 def make_engine(max_num_seqs: int = 8, **kwargs) -> tuple[AsyncEngine, SlowRunner, Recorder]:
     engine, runner = make_llm_engine(max_num_seqs=max_num_seqs)
+    engine.async_output = ASYNC_OUTPUT
     recorder = Recorder()
     return AsyncEngine(engine, stat_logger=recorder, **kwargs), runner, recorder
 

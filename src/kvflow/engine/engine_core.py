@@ -1,9 +1,14 @@
-"""EngineCore: one step = schedule, run the model, update. The runner is injected."""
+"""EngineCore: one step = schedule, run the model, update. The runner is injected.
+
+A step can be split in two (`launch`, then the call it returns) so that the caller works while
+the model runs: on a GPU the forward is queued and the host is free until the sampled ids are
+needed (LLMEngine detokenizes the previous step there)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,7 +21,9 @@ logger = logging.getLogger("kvflow.engine")
 
 
 class Runner(Protocol):
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Start the step's model work; the returned call waits for it and gives the output."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -59,25 +66,36 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one step. Returns outputs for requests that produced tokens or finished."""
+        return self.launch()()
+
+    def launch(self) -> Callable[[], list[EngineCoreOutput]]:
+        """Schedule one step and start its model work. The returned call waits for that work,
+        applies it (tokens, stops, freed blocks) and returns `step()`'s outputs; nothing may
+        add, abort or step in between."""
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
         self.num_steps += 1
         self.last_step_tokens = sched.total_num_scheduled_tokens
-        if sched.is_empty:
-            outputs = self._fail_stuck_head()
-        else:
-            result = self.runner.execute(sched)
-            outputs = self.scheduler.update_from_output(sched, result)
-        if self.log_steps:
-            logger.info(
-                "core-step unfinished=%d scheduled=%d model_executed=%d n_out=%d elapsed_s=%.4f",
-                len(self.scheduler.requests),
-                len(sched.num_scheduled_tokens),
-                int(not sched.is_empty),
-                sum(len(o.new_token_ids) for o in outputs),
-                time.monotonic() - t0,
-            )
-        return outputs
+        wait = None if sched.is_empty else self.runner.launch(sched)
+
+        def finish() -> list[EngineCoreOutput]:
+            if wait is None:
+                outputs = self._fail_stuck_head()
+            else:
+                outputs = self.scheduler.update_from_output(sched, wait())
+            if self.log_steps:
+                logger.info(
+                    "core-step unfinished=%d scheduled=%d model_executed=%d n_out=%d "
+                    "elapsed_s=%.4f",
+                    len(self.scheduler.requests),
+                    len(sched.num_scheduled_tokens),
+                    int(wait is not None),
+                    sum(len(o.new_token_ids) for o in outputs),
+                    time.monotonic() - t0,
+                )
+            return outputs
+
+        return finish
 
     def _fail_stuck_head(self) -> list[EngineCoreOutput]:
         """Liveness point 4: nothing scheduled, nothing running, yet requests wait. The head can

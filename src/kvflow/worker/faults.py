@@ -85,14 +85,14 @@ class FaultyRunner:
         self.inner = inner
         self.plan = plan
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         starting = {t for new in scheduler_output.new_reqs for t in new.prompt_token_ids}
         plan = self.plan
         if plan.sleep_token is not None and plan.sleep_token in starting:
             time.sleep(plan.sleep_s)
         if plan.raise_token is not None and plan.raise_token in starting:
             raise RuntimeError(f"injected step failure ({ENV} raise:{plan.raise_token})")
-        return self.inner.execute(scheduler_output)
+        return self.inner.launch(scheduler_output)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -1,8 +1,10 @@
-"""ModelRunner: execute(SchedulerOutput) -> ModelRunnerOutput. One forward per step over every
-scheduled token (prefill chunks and decodes packed together); never mutates request state."""
+"""ModelRunner: launch(SchedulerOutput) -> wait() -> ModelRunnerOutput. One forward per step over
+every scheduled token (prefill chunks and decodes packed together); never mutates request state.
+On a GPU `launch` only queues the work and the host is free until `wait()`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +15,7 @@ from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogpro
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.input_rows import InputRows
-from kvflow.worker.sampler import SamplingMetadata, sample
+from kvflow.worker.sampler import SamplerOutput, SamplingMetadata, sample
 
 
 @dataclass
@@ -74,20 +76,23 @@ class ModelRunner:
                 rows.append_blocks(row, cached.new_block_ids)
             rows.num_computed[row] = cached.num_computed_tokens
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Start the step: inputs, the forward and the sampler are queued (on the CPU: done);
+        the returned call waits for the sampled ids and returns the step's output. Call it
+        before the next `launch`."""
         # Denormal floats make x86 float32 math crawl: measured 8x slower steps at batch 32
         # (SiLU 6 ms instead of 65 us). Flushing them changes nothing a token depends on. The
         # CPU flag is per thread and other code in the process may need IEEE denormals (e.g.
         # hypothesis refuses to run with them flushed), so it is set for the step only.
         flush = self.device.type == "cpu" and torch.set_flush_denormal(True)
         try:
-            return self._execute(sched)
+            return self._launch(sched)
         finally:
             if flush:
                 torch.set_flush_denormal(False)
 
     @torch.inference_mode()
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _launch(self, sched: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         self._update_states(sched)
         req_ids = list(sched.num_scheduled_tokens)
         num_reqs, rows = len(req_ids), self.rows
@@ -126,7 +131,7 @@ class ModelRunner:
             )
         rows.num_computed[index] = ends
         if not sample_ids:
-            return ModelRunnerOutput({})
+            return lambda: ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
         return self._sample(logits, sample_ids, sampling)
 
@@ -143,11 +148,14 @@ class ModelRunner:
 
     def _sample(
         self, logits: torch.Tensor, req_ids: list[str], meta: SamplingMetadata
-    ) -> ModelRunnerOutput:
-        """Sample row i of `logits` for req_ids[i] and append the tokens to their requests."""
-        # The step's first device -> host copy (the sampled ids); bad rows and logprobs follow.
+    ) -> Callable[[], ModelRunnerOutput]:
+        """Queue the sampler on `logits` (row i for req_ids[i]); the returned call reads the
+        sampled ids (the step's first device -> host copy) and appends them to the requests."""
         out = sample(logits, meta)
-        token_ids = out.sampled.tolist()
+        return lambda: self._take(out, req_ids)
+
+    def _take(self, out: SamplerOutput, req_ids: list[str]) -> ModelRunnerOutput:
+        token_ids = out.sampled.tolist()  # bad rows and logprobs copy after this
         failed = {
             req_ids[row]: "the model produced non-finite logits for this request"
             for row in out.bad_rows
