@@ -71,26 +71,10 @@ def worker(args: argparse.Namespace) -> None:
     timed(runner.model, "compute_logits", "model")
     timed(model_runner, "sample", "model")
     timed(scheduler, "schedule", "schedule")
-    if hasattr(runner, "launch"):  # the model's work starts, then is waited for
-        inner_launch = runner.launch
-
-        def launch(sched):
-            t0 = time.perf_counter()
-            wait = inner_launch(sched)
-            launched = time.perf_counter() - t0
-
-            def timed_wait():
-                t1 = time.perf_counter()
-                try:
-                    return wait()
-                finally:
-                    spent["runner"] = spent.get("runner", 0.0) + launched
-                    spent["runner"] += time.perf_counter() - t1
-
-            return timed_wait
-
-        runner.launch = launch
-    else:  # a baseline from before the split
+    if hasattr(runner, "launch"):  # the step's model work starts, then its ids are taken
+        timed(runner, "launch", "runner")
+        timed(runner, "_take", "runner")
+    else:  # a baseline from before that split
         timed(runner, "execute", "runner")
     timed(scheduler, "update_from_output", "update")
     timed(engine.output_processor, "process", "output")
