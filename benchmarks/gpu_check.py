@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -158,10 +159,11 @@ def free_memory() -> None:
 
 
 def patch_triton_interpreter() -> None:
-    """Only under TRITON_INTERPRET=1 (--smoke on a CPU): two triton 3.6 interpreter bugs, as
-    tests/attention/test_triton_attn.py explains. Scalars are 1-element arrays, which numpy
-    >= 2.4 refuses to int() (so range() with runtime bounds fails); tl.dot of bfloat16 multiplies
-    the raw uint16 patterns the interpreter stores, so they are widened to float32 first."""
+    """Only under TRITON_INTERPRET=1 (--smoke on a CPU): three triton 3.6 interpreter bugs, as
+    tests/attention/test_triton_attn.py and tests/model/test_triton_kernels.py explain. Scalars
+    are 1-element arrays, which numpy >= 2.4 refuses to int() (so range() with runtime bounds
+    fails); tl.dot of bfloat16 multiplies the raw uint16 patterns the interpreter stores, so
+    they are widened to float32 first; float32 -> bfloat16 casts truncate instead of rounding."""
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -181,8 +183,18 @@ def patch_triton_interpreter() -> None:
     def patched_dot(self, a, b, *args):
         return create_dot(self, widened(a), widened(b), *args)
 
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def rounded_cast(self, src, dst_type):  # float32 -> bf16 truncates; a GPU rounds to even
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
     interpreter._patch_lang_tensor = patched_tensor
     interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter.InterpreterBuilder.cast_impl = rounded_cast
 
 
 @contextlib.contextmanager
@@ -374,7 +386,64 @@ def section_kernel(args, device: str, report: dict) -> None:
             f"nan {row['nan_outputs']} {'ok' if row['ok'] else 'FAIL'}"
         )
         free_memory()
+    for row in check_small_ops(device, args.smoke):
+        rows.append(row)
+        log(
+            f"kernel {row['name']:<20} {row['dtype']:<8} {row['max_ulps']} ulps from torch, "
+            f"{100 * row['equal_frac']:.1f}% equal {'ok' if row['ok'] else 'FAIL'}"
+        )
     report["kernel"] = {"cases": rows, "ok": all(r["ok"] for r in rows)}
+
+
+def check_small_ops(device: str, smoke: bool) -> list[dict]:
+    """The fused small ops (model/triton_kernels.py) against torch's ops on fresh random inputs
+    of the models' shapes: at most 1 bf16 step apart (they round where torch rounds), at most 8
+    float32 steps (sums in another order)."""
+    from kvflow.model import triton_kernels as fused
+
+    tokens = [1, 3] if smoke else [1, 256]
+    hidden, heads, inter = (96, 6, 128) if smoke else (2048, 40, 8192)  # 1B: 32 + 8 heads of 64
+    gen = torch.Generator(device=device).manual_seed(7)
+    rows = []
+
+    def randn(dtype: torch.dtype, *size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, device=device) * scale).to(dtype)
+
+    for dtype, limit in ((torch.bfloat16, 1), (torch.float32, 8)):
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        rand = functools.partial(randn, dtype)
+        for t in tokens:
+            x, res, w = rand(t, hidden), rand(t, hidden), rand(hidden).abs() + 0.5
+            stream = res.clone()
+            summed = x + res
+            f = summed.float()
+            norm_ref = w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+            qkv = rand(t, (heads + 8) * 64)
+            qk = qkv[:, : heads * 64].view(t, heads, 64)
+            angle = torch.rand(t, 1, 32, generator=gen, device=device) * 6
+            cos = torch.cat((angle.cos(), angle.cos()), -1).to(dtype)
+            sin = torch.cat((angle.sin(), angle.sin()), -1).to(dtype)
+            rot_ref = qk * cos + torch.cat((-qk[..., 32:], qk[..., :32]), -1) * sin
+            gate_up = rand(t, 2 * inter, scale=4.0)
+            gate, up = gate_up.split(inter, dim=-1)
+            pairs = {
+                "rms_norm+residual": (fused.rms_norm(x, w, 1e-5, stream), norm_ref),
+                "residual stream": (stream, summed),
+                "rotary": (fused.rotary_(qk.clone(), cos, sin), rot_ref),
+                "silu_mul": (fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up),
+            }
+            for name, (got, want) in pairs.items():
+                ulps = int((got.view(bits).long() - want.view(bits).long()).abs().max())
+                rows.append(
+                    dict(
+                        name=f"{name}-t{t}",
+                        dtype=str(dtype).removeprefix("torch."),
+                        max_ulps=ulps,
+                        equal_frac=float((got == want).float().mean()),
+                        ok=ulps <= limit and bool(got.isfinite().all()),
+                    )
+                )
+    return rows
 
 
 # ---- (b) parity with transformers ------------------------------------------------------------

@@ -29,7 +29,8 @@ def test_smoke_run(tmp_path) -> None:
     report = json.loads(out.read_text())
     assert report["ok"] and report["smoke"]
     kernel = report["kernel"]
-    assert "skipped" in kernel or (kernel["ok"] and len(kernel["cases"]) == 3)
+    # three attention cases, then 4 fused small ops x 2 dtypes x 2 token counts
+    assert "skipped" in kernel or (kernel["ok"] and len(kernel["cases"]) == 3 + 16)
     assert [p["model"] for p in report["parity"]] == ["smollm2-shape", "llama-1b-shape"]
     for parity in report["parity"]:
         assert parity["fp32_tokens_equal"] and parity["bf16_logits_ok"], parity

@@ -235,8 +235,9 @@ class RMSNorm(nn.Module):
         """norm(x); with `residual`, (norm(x + residual), x + residual): the pre-norm residual
         stream, added and normalised in one pass (in place into `residual` on the native path).
         Normalised in float32 as transformers does, then scaled."""
-        if cpu_kernels.applies(x, self.weight) and (residual is None or residual.is_contiguous()):
-            out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+        ops = fused_ops(x, self.weight)
+        if ops is not None and (residual is None or residual.is_contiguous()):
+            out = ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -290,11 +291,22 @@ def _rope_frequencies(hf_config: object, head_dim: int) -> tuple[torch.Tensor, f
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
 
 
+def fused_ops(*tensors: torch.Tensor):
+    """The fused small ops (`rms_norm`, `rotary_`, `silu_mul`) for these tensors: the Triton
+    kernels on CUDA, the native kernels for bf16 on the CPU; None: torch's ops."""
+    if tensors[0].is_cuda:
+        from kvflow.model import triton_kernels  # triton is only installed with CUDA
+
+        return triton_kernels
+    return cpu_kernels if cpu_kernels.applies(*tensors) else None
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by position: x * cos + rotate_half(x) * sin (halves, not pairs).
-    bf16 on the CPU rotates x in place (one native call instead of six ops)."""
-    if cpu_kernels.applies(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        return cpu_kernels.rotary_(x, cos, sin)
+    With fused ops (`fused_ops`) x is rotated in place, in one kernel instead of six ops."""
+    ops = fused_ops(x, cos, sin)
+    if ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return ops.rotary_(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention import AttentionBackend, AttentionMetadata
-from kvflow.model import cpu_kernels
 from kvflow.model.layers import (
     Embedding,
     Linear,
@@ -32,6 +31,7 @@ from kvflow.model.layers import (
     RotaryEmbedding,
     activation,
     apply_rotary,
+    fused_ops,
     linear,
 )
 
@@ -117,8 +117,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act is F.silu and cpu_kernels.applies(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        ops = fused_ops(gate_up) if self.act is F.silu else None
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 

@@ -1,0 +1,165 @@
+"""The fused small-op Triton kernels (CUDA's `rms_norm`, `rotary_`, `silu_mul`) against torch,
+under Triton's interpreter without a GPU: the same rounding as transformers' eager ops, in
+bfloat16 and float32, and a whole tiny Llama through them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+pytest.importorskip("triton")
+
+from kvflow.model import layers, triton_kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _round_bf16_to_nearest() -> None:
+    """Triton 3.6's interpreter casts float32 to bfloat16 by truncation; a GPU (and torch)
+    rounds to nearest even. Make the interpreter round as the GPU does, so the kernels' own
+    rounding is what these tests see."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _round_bf16_to_nearest()
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in steps of the dtype between same-signed finite a and b."""
+    bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    return int((a.view(bits).long() - b.view(bits).long()).abs().max())
+
+
+def ulps(dtype: torch.dtype) -> int:
+    """bf16: the rounding points are the reference's, so at most one step (a tie, or float32
+    sums in another order straddling a rounding boundary). float32: sums in another order and
+    another exp / rsqrt differ in the last few bits."""
+    return 1 if dtype == torch.bfloat16 else 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, dim", [(1, 64), (5, 96), (3, 40)])
+def test_rms_norm_matches_transformers_rounding(dtype, tokens, dim) -> None:
+    gen = torch.Generator().manual_seed(tokens * dim)
+    x = torch.randn(tokens, dim, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(tokens, dim, generator=gen).to(DEVICE, dtype)
+    weight, eps = (torch.rand(dim, generator=gen) + 0.5).to(DEVICE, dtype), 1e-5
+
+    def reference(h: torch.Tensor) -> torch.Tensor:  # transformers' LlamaRMSNorm
+        f = h.float()
+        normed = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(dtype)
+
+    assert ulps_apart(triton_kernels.rms_norm(x, weight, eps), reference(x)) <= ulps(dtype)
+    stream = residual.clone()
+    out = triton_kernels.rms_norm(x, weight, eps, stream)
+    assert torch.equal(stream, x + residual)  # the residual stream, updated in place
+    assert ulps_apart(out, reference(x + residual)) <= ulps(dtype)
+    heads = x[:, : dim // 8 * 8].reshape(tokens, 8, -1)  # per-head norms (Qwen3's q/k norm)
+    per_head = triton_kernels.rms_norm(heads, weight[: heads.shape[-1]], eps)
+    assert per_head.shape == heads.shape
+    expected = F.rms_norm(heads, (heads.shape[-1],), weight[: heads.shape[-1]], eps)
+    assert ulps_apart(per_head, expected) <= ulps(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [4, 3, 20])
+def test_rotary_in_place_on_strided_rows_matches_torch(dtype, heads) -> None:
+    gen = torch.Generator().manual_seed(heads)
+    tokens, dim = 7, 64
+    qkv = torch.randn(tokens, (heads + 1) * dim, generator=gen).to(DEVICE, dtype)
+    qk = qkv[:, : heads * dim].view(tokens, heads, dim)  # q|k of the fused projection
+    angles = torch.rand(tokens, 1, dim // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(DEVICE, dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(DEVICE, dtype)
+    rotated = torch.cat((-qk[..., dim // 2 :], qk[..., : dim // 2]), dim=-1)
+    expected = qk * cos + rotated * sin
+    v_before = qkv[:, heads * dim :].clone()
+    assert triton_kernels.rotary_(qk, cos, sin).data_ptr() == qkv.data_ptr()
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, heads * dim :], v_before)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu(-100), as on a GPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 40])
+def test_silu_mul_matches_torch(dtype, width) -> None:
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(6, 2 * width, generator=gen) * 4).to(DEVICE, dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.split(width, dim=-1)
+    got = triton_kernels.silu_mul(gate_up)
+    assert got.shape == (6, width)
+    expected = F.silu(gate) * up
+    assert ulps_apart(got, expected) <= ulps(dtype)
+    if dtype == torch.bfloat16:  # rounded where torch rounds: equal almost everywhere
+        assert (got == expected).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
+    """A tiny random Llama's logits with `fused_ops` giving the Triton kernels, against the same
+    model on torch's ops: the kernels are wired where the model calls them."""
+    from transformers import LlamaConfig
+
+    from kvflow.attention import AttentionMetadata, token_positions
+    from kvflow.model import allocate_kv_caches
+    from kvflow.model.llama import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(dtype)
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    ids = torch.randint(0, 64, (9,), device=DEVICE)
+
+    def logits(ops) -> torch.Tensor:
+        calls = []
+
+        def counted(*tensors):
+            calls.append(1)
+            return ops
+
+        monkeypatch.setattr(layers, "fused_ops", counted)
+        monkeypatch.setattr("kvflow.model.llama.fused_ops", counted)
+        caches = allocate_kv_caches(config, 4, 16, dtype, DEVICE)
+        meta = AttentionMetadata.build([9], [0], [[1]], 16, DEVICE)
+        positions = torch.from_numpy(token_positions([9], [0])).to(DEVICE)
+        with torch.inference_mode():
+            out = model.compute_logits(model(ids, positions, caches, meta))
+        assert len(calls) == 2 * 4 + 1  # per layer: two norms, rotary, silu_mul; final norm
+        return out
+
+    fused, plain = logits(triton_kernels), logits(None)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, plain, atol=tol * plain.abs().max().item(), rtol=0)
