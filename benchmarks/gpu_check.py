@@ -158,45 +158,6 @@ def free_memory() -> None:
 # ---- (a) the Triton kernel -------------------------------------------------------------------
 
 
-def patch_triton_interpreter() -> None:
-    """Only under TRITON_INTERPRET=1 (--smoke on a CPU): three triton 3.6 interpreter bugs, as
-    tests/attention/test_triton_attn.py and tests/model/test_triton_kernels.py explain. Scalars
-    are 1-element arrays, which numpy >= 2.4 refuses to int() (so range() with runtime bounds
-    fails); tl.dot of bfloat16 multiplies the raw uint16 patterns the interpreter stores, so
-    they are widened to float32 first; float32 -> bfloat16 casts truncate instead of rounding."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def patched_tensor(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def widened(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        as_float = (handle.data.astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(as_float, tl.float32)
-
-    def patched_dot(self, a, b, *args):
-        return create_dot(self, widened(a), widened(b), *args)
-
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def rounded_cast(self, src, dst_type):  # float32 -> bf16 truncates; a GPU rounds to even
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    interpreter._patch_lang_tensor = patched_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-    interpreter.InterpreterBuilder.cast_impl = rounded_cast
-
-
 @contextlib.contextmanager
 def nan_filled_outputs():
     """While active, `torch.empty` inside triton_attn returns NaN-filled tensors, so an output
@@ -368,8 +329,11 @@ def section_kernel(args, device: str, report: dict) -> None:
         report["kernel"] = {"skipped": "triton is not installed"}
         log("kernel: skipped (no triton)")
         return
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        patch_triton_interpreter()
+    if os.environ.get("TRITON_INTERPRET") == "1":  # --smoke on a CPU: as the tests patch it
+        sys.path.insert(0, str(SRC.parent / "tests"))
+        from triton_interpreter import patch_interpreter
+
+        patch_interpreter()
     rows = []
     for i, case in enumerate(kernel_cases(args.smoke)):
         try:

@@ -24,41 +24,10 @@ from kvflow.attention.triton_attn import triton_paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # its bugs, patched outside the kernel
+    from triton_interpreter import patch_interpreter
 
-def _patch_interpreter() -> None:
-    """Work around two bugs of triton 3.6's interpreter, outside the kernel it checks.
-
-    - numpy >= 2.4 refuses int() of a 1-element 1-d array, which is how the interpreter holds
-      scalars, so `range(start, stop)` with runtime bounds fails (triton#9171, fixed after 3.6).
-    - `tl.dot` of bfloat16 multiplies the raw uint16 bit patterns the interpreter stores bf16
-      as (triton#11584); widen them to float32 first (exact, as the GPU's MMA products are).
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def _patch_lang_tensor(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def _widen(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def _create_dot(self, a, b, *args):
-        return create_dot(self, _widen(a), _widen(b), *args)
-
-    interpreter._patch_lang_tensor = _patch_lang_tensor
-    interpreter.InterpreterBuilder.create_dot = _create_dot
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter()
+    patch_interpreter()
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -182,3 +151,23 @@ def test_empty_batch() -> None:
     cache = torch.zeros(2, 3, 16, 2, 64, device=DEVICE)
     out = triton_paged_attention(q, kv, kv, cache, meta, 0.125)
     assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("heads, head_dim", [(2, 64), (3, 48)])
+def test_write_kv_from_a_fused_projection_matches_index_copy(heads, head_dim) -> None:
+    """`write_kv` (one kernel for k and v) stores what `write_kv_cache` stores, reading k and v
+    where the fused qkv projection leaves them, and touches no other slot."""
+    from kvflow.attention import write_kv_cache
+    from kvflow.attention.triton_attn import write_kv
+
+    gen = torch.Generator().manual_seed(heads)
+    tokens, q_heads = 5, 4
+    qkv = torch.randn(tokens, (q_heads + 2 * heads) * head_dim, generator=gen).to(DEVICE)
+    k = qkv[:, q_heads * head_dim : (q_heads + heads) * head_dim].view(tokens, heads, head_dim)
+    v = qkv[:, (q_heads + heads) * head_dim :].view(tokens, heads, head_dim)
+    cache = torch.randn(2, 4, 4, heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    expected = cache.clone()
+    slots = torch.tensor([5, 0, 15, 8, 9], device=DEVICE)
+    write_kv_cache(k, v, expected, slots)
+    write_kv(k, v, cache, slots)
+    assert torch.equal(cache, expected)

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from livelib import (
+    LONG_WAIT,
     MODEL,
     PROMPT,
     Live,
@@ -72,7 +73,8 @@ def openai_plain(server: Live, started: threading.Event) -> str:
 def raw_stream(path: str, body: dict) -> Client:
     def client(server: Live, started: threading.Event) -> str:
         lines = []
-        with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True}) as resp:
+        url, streamed = f"{server.url}{path}", {**body, "stream": True}
+        with httpx.stream("POST", url, json=streamed, timeout=LONG_WAIT) as resp:
             for line in resp.iter_lines():
                 if line:
                     lines.append(line)

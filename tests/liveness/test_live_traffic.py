@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from livelib import (
+    LONG_WAIT,
     MODEL,
     PROMPT,
     Live,
@@ -90,7 +91,8 @@ def test_per_request_timeout_answers_408_and_frees_blocks(live: Live) -> None:
 
 
 def stream_then_leave(server: Live, body: dict, chunks: int) -> str:
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as r:
+    url, body = f"{server.url}/v1/completions", {**body, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=LONG_WAIT) as r:  # not httpx's 5 s
         for i, _ in enumerate(line for line in r.iter_lines() if line):
             if i + 1 >= chunks:
                 return "left mid-stream"

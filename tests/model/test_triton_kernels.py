@@ -18,31 +18,12 @@ pytest.importorskip("triton")
 from kvflow.model import layers, triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _round_bf16_to_nearest() -> None:
-    """Triton 3.6's interpreter casts float32 to bfloat16 by truncation; a GPU (and torch)
-    rounds to nearest even. Make the interpreter round as the GPU does, so the kernels' own
-    rounding is what these tests see."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
-
+DTYPES = [torch.bfloat16, torch.float32]
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _round_bf16_to_nearest()
-DTYPES = [torch.bfloat16, torch.float32]
+    from triton_interpreter import patch_interpreter  # float32 -> bf16 rounds as on a GPU
+
+    patch_interpreter()
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -1,7 +1,8 @@
 """Paged attention as one varlen Triton kernel: same signature and semantics as `torch_ref`.
 
-The step's k/v are stored at their slots first (`write_kv_cache`, one `index_copy_` each), then
-one kernel launch attends every scheduled token, prefill chunks and decodes alike.
+The step's k/v are stored at their slots first (`write_kv`, one kernel for both, reading them
+where the fused projection left them), then one kernel launch attends every scheduled token,
+prefill chunks and decodes alike.
 
 Grid `(num_tiles, Hkv)`: a program takes one *query tile* of one request (up to BLOCK_Q
 consecutive query tokens of that request) and one KV head, and with it the G = Hq / Hkv query
@@ -32,7 +33,6 @@ import triton
 import triton.language as tl
 
 from kvflow.attention.metadata import AttentionMetadata
-from kvflow.attention.torch_ref import write_kv_cache
 
 _LOG2E = 1.4426950408889634
 
@@ -113,6 +113,42 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_slot, stride_cache_head,
+    HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HEAD_PAD)[None, :]
+    mask = (heads < HEADS) & (dims < HEAD_DIM)
+    dst = slot * stride_cache_slot + heads * stride_cache_head + dims
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """`torch_ref.write_kv_cache` in one kernel: k/v [T, Hkv, D] (rows may be strided, as the
+    fused projection leaves them) into `kv_cache` [2, blocks, block_size, Hkv, D] at `slots`."""
+    tokens, heads, head_dim = k.shape
+    if not tokens:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if kv_cache.stride(4) != 1 or kv_cache.stride(3) != head_dim:
+        raise ValueError("kv_cache must be packed over heads and head_dim")
+    _write_kv_kernel[(tokens,)](
+        k, v, kv_cache[0], kv_cache[1], slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads),
+        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
 def _query_tiles(meta: AttentionMetadata, num_tokens: int, block_q: int) -> tuple:
     """(tile_req, tile_start) int32 [B + T // block_q]: each program's request (-1: spare) and
     first query token within it. Built with device ops (no sync), once per step and tile size."""
@@ -140,7 +176,7 @@ def triton_paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for `torch_ref.paged_attention`: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_reqs == 0 or q.shape[0] == 0:
         return out
