@@ -12,6 +12,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -291,7 +292,7 @@ def _rope_frequencies(hf_config: object, head_dim: int) -> tuple[torch.Tensor, f
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
 
 
-def fused_ops(*tensors: torch.Tensor):
+def fused_ops(*tensors: torch.Tensor) -> ModuleType | None:
     """The fused small ops (`rms_norm`, `rotary_`, `silu_mul`) for these tensors: the Triton
     kernels on CUDA, the native kernels for bf16 on the CPU; None: torch's ops."""
     if tensors[0].is_cuda:

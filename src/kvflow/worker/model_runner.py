@@ -155,7 +155,7 @@ class ModelRunner:
         return lambda: self._take(out, req_ids)
 
     def _take(self, out: SamplerOutput, req_ids: list[str]) -> ModelRunnerOutput:
-        token_ids = out.sampled.tolist()  # bad rows and logprobs copy after this
+        token_ids = out.token_ids  # the step's wait for the device; logprobs copy after it
         failed = {
             req_ids[row]: "the model produced non-finite logits for this request"
             for row in out.bad_rows

@@ -1,9 +1,9 @@
 """Sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
 
 `sample()` is a chain of pure tensor functions with no host synchronisation; the only
-device -> host copies happen when a caller reads `SamplerOutput.bad_rows` or `.logprobs`
-(after it has copied the sampled ids anyway). An all-greedy batch without penalties is one
-argmax. `SamplingMetadata.build()` runs every step, so it only makes the tensors a batch needs.
+device -> host copies happen when a caller reads `SamplerOutput.token_ids` (with the bad rows,
+in one copy) or `.logprobs`. An all-greedy batch without penalties is one argmax.
+`SamplingMetadata.build()` runs every step, so it only makes the tensors a batch needs.
 """
 
 from __future__ import annotations
@@ -222,9 +222,21 @@ class SamplerOutput:
     num_logprobs: list[int | None] | None = None
 
     @cached_property
+    def _on_host(self) -> tuple[list[int], list[int]]:
+        """(sampled ids, bad rows) in one device -> host copy: one wait for the device per
+        step, not two (`nonzero` would wait on its own)."""
+        ids, bad = torch.stack((self.sampled, self.bad_mask.to(self.sampled.dtype))).tolist()
+        return ids, [row for row, flag in enumerate(bad) if flag]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host."""
+        return self._on_host[0]
+
+    @property
     def bad_rows(self) -> list[int]:
         """Rows whose logits were not finite; the caller fails those requests alone."""
-        return self.bad_mask.nonzero().flatten().tolist()
+        return self._on_host[1]
 
     @cached_property
     def logprobs(self) -> list[TokenLogprobs | None] | None:
@@ -232,7 +244,7 @@ class SamplerOutput:
         if self.logprob_tensors is None or self.num_logprobs is None:
             return None
         own, rank, top_ids, top_lps = (t.tolist() for t in self.logprob_tensors)
-        token_ids = self.sampled.tolist()
+        token_ids = self.token_ids
         return [
             None
             if n is None
