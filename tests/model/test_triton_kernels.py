@@ -102,27 +102,20 @@ def test_silu_mul_matches_torch(dtype, width) -> None:
 def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
     """A tiny random Llama's logits with `fused_ops` giving the Triton kernels, against the same
     model on torch's ops: the kernels are wired where the model calls them."""
+    from test_models import LLAMA_LIKE, VOCAB
     from transformers import LlamaConfig
 
     from kvflow.attention import AttentionMetadata, token_positions
     from kvflow.model import allocate_kv_caches
     from kvflow.model.llama import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = LlamaConfig(**LLAMA_LIKE)  # the tiny shape tests/model/test_models.py checks
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(config).to(dtype)
     for p in model.parameters():
         p.data.normal_(0, 0.3)
-    ids = torch.randint(0, 64, (9,), device=DEVICE)
+    ids = torch.randint(0, VOCAB, (9,), device=DEVICE)
 
     def logits(ops) -> torch.Tensor:
         calls = []

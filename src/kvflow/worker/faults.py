@@ -101,14 +101,18 @@ class FaultyRunner:
 def _poison_logits(runner: Any, token: int) -> None:
     """Make the logits of marked requests NaN just before the sampler sees them.
 
-    Relies on ModelRunner's `_sample(logits, req_ids, ...)` (row i belongs to req_ids[i]) and
-    its `requests` states; fails loudly at start if those change."""
-    sample: Callable[..., ModelRunnerOutput] | None = getattr(runner, "_sample", None)
-    if sample is None or not hasattr(runner, "requests"):
-        raise ValueError(f"{ENV} nan:{token} needs ModelRunner._sample and ModelRunner.requests")
+    Relies on ModelRunner's `_sample(logits, req_ids, ...)` (row i belongs to req_ids[i]), its
+    `requests` states and their `rows`; fails loudly at start if those change."""
+    sample: Callable[..., Any] | None = getattr(runner, "_sample", None)
+    if sample is None or not hasattr(runner, "requests") or not hasattr(runner, "rows"):
+        raise ValueError(f"{ENV} nan:{token} needs ModelRunner._sample, .requests and .rows")
 
-    def sample_poisoned(logits: Any, req_ids: list[str], *args: Any) -> ModelRunnerOutput:
-        rows = [i for i, r in enumerate(req_ids) if token in runner.requests[r].prompt_token_ids]
+    def marked(req_id: str) -> bool:
+        row, rows = runner.requests[req_id].row, runner.rows
+        return bool((rows.token_ids[row, : rows.prompt_len[row]] == token).any())
+
+    def sample_poisoned(logits: Any, req_ids: list[str], *args: Any) -> Any:
+        rows = [i for i, r in enumerate(req_ids) if marked(r)]
         if rows:
             logits = logits.clone()
             logits[rows] = float("nan")
