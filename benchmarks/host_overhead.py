@@ -15,6 +15,14 @@ and splits every
 
 Each tree runs in its own process (the baseline is `git archive`d into a temporary folder),
 alternated `--repeats` times; the table gives medians and the current / baseline ratio.
+
+    python benchmarks/host_overhead.py --device-ms 1.0,1.2,1.6,2.4
+
+simulates a device instead: each step's model work also occupies a device timeline for that
+many ms (per batch), which runs beside the host as a GPU stream does; the wait for a step's
+sampled ids spins until its work there has ended. The current tree then runs with and without
+async scheduling, and the table gives ms per step of each: with the host's work overlapped,
+a step costs about max(host, device) instead of their sum.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ def worker(args: argparse.Namespace) -> None:
 
     llm = LLM(args.checkpoint, dtype="bfloat16", max_num_seqs=256, num_blocks=4096)
     engine = llm.engine
+    engine.core.async_scheduling = args.async_scheduling
     runner, scheduler = engine.core.runner, engine.core.scheduler
     spent: dict[str, float] = {}
 
@@ -78,11 +87,16 @@ def worker(args: argparse.Namespace) -> None:
         timed(runner, "execute", "runner")
     timed(scheduler, "update_from_output", "update")
     timed(engine.output_processor, "process", "output")
+    device_s = dict(zip(args.batches, [ms / 1e3 for ms in args.device_ms], strict=False))
+    device = dict(free_at=0.0, busy=0.0)
+    if device_s:
+        simulate_device(runner, device)
 
     gen = random.Random(0)
     penalty = 1.1 if args.penalty else 1.0
     results = []
     for batch in args.batches:
+        device["busy"] = device_s.get(batch, 0.0)
         params = SamplingParams(
             temperature=0,
             max_tokens=args.warm + args.steps + 8,
@@ -113,7 +127,28 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(results), flush=True)
 
 
-def run_tree(src: Path, checkpoint: Path, args: argparse.Namespace) -> list[dict]:
+def simulate_device(runner, device: dict[str, float]) -> None:
+    """Each launch also queues `device["busy"]` seconds on a simulated device timeline; the
+    wait for its ids spins until that work has ended (a spin: sleep overshoots by ~0.1 ms)."""
+    inner = runner.launch
+
+    def launch(sched):
+        wait = inner(sched)
+        end = device["free_at"] = max(device["free_at"], time.perf_counter()) + device["busy"]
+
+        def wait_for_device():
+            while time.perf_counter() < end:
+                pass
+            return wait()
+
+        return wait_for_device
+
+    runner.launch = launch
+
+
+def run_tree(
+    src: Path, checkpoint: Path, args: argparse.Namespace, async_scheduling: bool = False
+) -> list[dict]:
     cmd = [
         sys.executable,
         __file__,
@@ -129,6 +164,8 @@ def run_tree(src: Path, checkpoint: Path, args: argparse.Namespace) -> list[dict
         "--warm",
         str(args.warm),
     ] + (["--penalty"] if args.penalty else [])
+    cmd += ["--device-ms", ",".join(map(str, args.device_ms))] if args.device_ms else []
+    cmd += ["--async-scheduling"] if async_scheduling else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -154,11 +191,16 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--penalty", action="store_true", help="repetition_penalty 1.1 on every row")
+    p.add_argument("--device-ms", default="", help="simulated device ms per step, per batch")
+    p.add_argument("--async-scheduling", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.device_ms = [float(ms) for ms in args.device_ms.split(",")] if args.device_ms else []
+    if args.device_ms and len(args.device_ms) != len(args.batches):
+        p.error("--device-ms needs one value per batch")
     if args.worker:
         return worker(args)
 
@@ -171,13 +213,15 @@ def main() -> None:
         from kvflow.model.loader import load_tokenizer, resolve_model
 
         load_tokenizer(resolve_model(None)).save_pretrained(checkpoint)  # a real BPE tokenizer
-        trees = {"current": ROOT / "src"}
-        if args.baseline:
-            trees = {"baseline": export_baseline(args.baseline, Path(tmp)), **trees}
+        trees = {"current": (ROOT / "src", False)}
+        if args.device_ms:  # one tree, each step after the previous vs overlapped with it
+            trees = {"sync": (ROOT / "src", False), "async": (ROOT / "src", True)}
+        elif args.baseline:
+            trees = {"baseline": (export_baseline(args.baseline, Path(tmp)), False), **trees}
         runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
         for _ in range(args.repeats):  # alternated, so drift hits both trees alike
-            for name, src in trees.items():
-                runs[name].append(run_tree(src, checkpoint, args))
+            for name, (src, async_scheduling) in trees.items():
+                runs[name].append(run_tree(src, checkpoint, args, async_scheduling))
     report(runs, args)
 
 
@@ -188,6 +232,15 @@ def report(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> None:
 
     names = list(runs)
     workload = "repetition_penalty 1.1" if args.penalty else "greedy"
+    if args.device_ms:
+        print(f"\nms per decode step, simulated device ({workload}, medians of {args.repeats})")
+        print(
+            "| batch | device ms | sync step | async step | async / sync |\n|---|---|---|---|---|"
+        )
+        for i, (batch, ms) in enumerate(zip(args.batches, args.device_ms, strict=True)):
+            sync, overlapped = med("sync", i, "step_ms"), med("async", i, "step_ms")
+            print(f"| {batch} | {ms} | {sync:.3f} | {overlapped:.3f} | {overlapped / sync:.2f}x |")
+        return
     print(f"\nhost ms per decode step ({workload}, prompt {PROMPT_LEN}, medians of {args.repeats})")
     head = "| batch | " + " | ".join(f"{n} step | {n} host" for n in names)
     parts = ("schedule", "runner", "update", "output")

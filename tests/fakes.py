@@ -36,6 +36,7 @@ class FakeRunner:
     states: dict[str, _State] = field(default_factory=dict)
     kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (position, token)
     steps: list[SchedulerOutput] = field(default_factory=list)
+    max_model_len: int | None = None  # if set: no token is computed at or past it
 
     def launch(self, sched: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         output = self.execute(sched)
@@ -43,7 +44,7 @@ class FakeRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(sched)
-        for req_id in sched.finished_req_ids:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.states.pop(req_id, None)
         for new in sched.new_reqs:
             assert new.req_id not in self.states, "runner sent a request it already has"
@@ -70,6 +71,7 @@ class FakeRunner:
         st = self.states[req_id]
         start, end = st.num_computed, st.num_computed + n
         assert end <= len(st.tokens), "scheduled past the known tokens"
+        assert self.max_model_len is None or end <= self.max_model_len, "past max_model_len"
         assert len(st.block_ids) * self.block_size >= end, "not enough blocks for the tokens"
         for pos in range(start, end):  # write this step's KV
             self.kv[self._slot(st, pos)] = (pos, st.tokens[pos])

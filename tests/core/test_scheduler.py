@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
 from fakes import FakeRunner, scripted_token
@@ -11,12 +13,24 @@ from kvflow.engine.engine_core import EngineCore
 
 
 def make_engine(
-    num_blocks=64, block_size=4, budget=64, max_seqs=8, max_model_len=None, caching=True, **fake
+    num_blocks=64,
+    block_size=4,
+    budget=64,
+    max_seqs=8,
+    max_model_len=None,
+    caching=True,
+    async_scheduling=False,
+    runner=FakeRunner,
+    **fake,
 ):
     cache = CacheConfig(block_size, num_blocks, caching)
     mml = max_model_len or cache.servable_tokens
     cfg = EngineConfig(cache, SchedulerConfig(mml, budget, max_seqs))
-    return EngineCore(cfg, FakeRunner(block_size, num_blocks, **fake))
+    fake_runner = runner(block_size, num_blocks, max_model_len=mml, **fake)
+    return EngineCore(cfg, fake_runner, async_scheduling=async_scheduling)
+
+
+both_modes = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 
 
 def add(engine, rid, prompt_len, max_tokens=4, start=0, **kw):
@@ -76,13 +90,16 @@ def test_prefix_hit_skips_cached_blocks():
     assert stats.prefix_cache_queries == 18 + 18 + 16 and stats.prefix_cache_hits == 28
 
 
-def test_preemption_takes_newest_and_outputs_are_unchanged():
+@both_modes
+def test_preemption_takes_newest_and_outputs_are_unchanged(async_scheduling):
     alone = {}
     for rid, start in (("old", 0), ("new", 100)):
         eng = make_engine(num_blocks=64)
         add(eng, rid, 6, max_tokens=20, start=start)
         alone[rid] = tokens(run_to_end(eng), rid)
-    eng = make_engine(num_blocks=9, block_size=4)  # 32 servable tokens: both can't fit at once
+    eng = make_engine(
+        async_scheduling=async_scheduling, num_blocks=9, block_size=4
+    )  # 32 servable tokens: both can't fit at once
     old = add(eng, "old", 6, max_tokens=20)
     new = add(eng, "new", 6, max_tokens=20, start=100)
     outs = run_to_end(eng)
@@ -91,8 +108,9 @@ def test_preemption_takes_newest_and_outputs_are_unchanged():
     assert tokens(outs, "old") == alone["old"] and tokens(outs, "new") == alone["new"]
 
 
-def test_stop_conditions():
-    eng = make_engine(eos_at={"eos": 3, "early": 0})
+@both_modes
+def test_stop_conditions(async_scheduling):
+    eng = make_engine(async_scheduling=async_scheduling, eos_at={"eos": 3, "early": 0})
     add(eng, "eos", 5, max_tokens=10)
     add(eng, "ign", 5, max_tokens=4, ignore_eos=True)
     add(eng, "minp", 5, max_tokens=10, min_tokens=3)
@@ -111,8 +129,11 @@ def test_stop_conditions():
     assert len(tokens(outs, "stoptok")) == 3
 
 
-def test_max_model_len_caps_and_admission():
-    eng = make_engine(num_blocks=5, block_size=4)  # C = 16 = max_model_len
+@both_modes
+def test_max_model_len_caps_and_admission(async_scheduling):
+    eng = make_engine(
+        async_scheduling=async_scheduling, num_blocks=5, block_size=4
+    )  # C = 16 = max_model_len
     r = add(eng, "a", 10, max_tokens=100)
     assert r.max_tokens == 6
     outs = run_to_end(eng)
@@ -123,22 +144,24 @@ def test_max_model_len_caps_and_admission():
         add(eng, "c", 0)
 
 
-def test_abort_waiting_and_running_frees_blocks():
-    eng = make_engine(num_blocks=6, block_size=4, max_seqs=1)
+@both_modes
+def test_abort_waiting_and_running_frees_blocks(async_scheduling):
+    eng = make_engine(async_scheduling=async_scheduling, num_blocks=6, block_size=4, max_seqs=1)
     add(eng, "a", 8, max_tokens=50)
     add(eng, "b", 8, max_tokens=50)
     eng.step()
     assert eng.stats().num_running == 1 and eng.stats().num_waiting == 1
     outs = eng.abort_requests(["b", "a", "unknown"])
     assert [(o.req_id, o.finish_reason) for o in outs] == [("b", "abort"), ("a", "abort")]
-    assert eng.scheduler.kv.usage == 0.0 and not eng.has_unfinished_requests()
+    assert eng.scheduler.kv.usage == 0.0 and not eng.scheduler.has_unfinished_requests()
     add(eng, "c", 4)
-    eng.step()  # the next step the runner executes tells it to forget "a"
-    assert eng.runner.steps[-1].finished_req_ids == {"a"} and "a" not in eng.runner.states
+    eng.step()  # the next step the runner executes tells it to forget both (it never had b)
+    assert eng.runner.steps[-1].finished_req_ids == {"a", "b"} and "a" not in eng.runner.states
 
 
-def test_failed_request_fails_alone():
-    eng = make_engine(fail={"bad"})
+@both_modes
+def test_failed_request_fails_alone(async_scheduling):
+    eng = make_engine(async_scheduling=async_scheduling, fail={"bad"})
     add(eng, "bad", 5)
     add(eng, "good", 5, start=50)
     outs = run_to_end(eng)
@@ -146,8 +169,9 @@ def test_failed_request_fails_alone():
     assert outs["good"][-1].finish_reason == "length"
 
 
-def test_stuck_head_is_failed_not_spun(caplog):
-    eng = make_engine(num_blocks=3, block_size=4)  # C = 8
+@both_modes
+def test_stuck_head_is_failed_not_spun(caplog, async_scheduling):
+    eng = make_engine(async_scheduling=async_scheduling, num_blocks=3, block_size=4)  # C = 8
     # Break the invariant on purpose: pretend the context is larger than the pool.
     eng.scheduler.max_model_len = 100
     add(eng, "big", 20, max_tokens=1)
@@ -161,3 +185,60 @@ def test_stuck_head_is_failed_not_spun(caplog):
     assert outs["ok"][-1].finish_reason == "length"
     assert eng.stats().num_stuck_failures == 1
     assert RequestStatus.FINISHED_ERROR.finished
+
+
+def test_async_scheduling_launches_each_decode_before_the_token_is_known():
+    eng = make_engine(async_scheduling=True)
+    r = add(eng, "a", 6, max_tokens=3)
+    assert eng.step() == []  # the prefill is in flight
+    assert r.num_pending_tokens == 1 and eng.has_unfinished_requests()
+    outs = eng.step()  # launches the decode of the pending token, then applies the prefill
+    assert eng.runner.steps[-1].num_scheduled_tokens == {"a": 1}
+    assert [o.new_token_ids for o in outs] == [[scripted_token("a", 6)]]
+    assert r.num_pending_tokens == 1  # the decode's token
+    eng.step()  # launches the last decode
+    outs = eng.step()  # a's third token is pending: nothing to launch; applies it
+    assert len(eng.runner.steps) == 3  # prefill + 2 decodes: no token past max_tokens
+    assert outs[-1].finish_reason == "length" and r.num_output_tokens == 3
+    assert not eng.has_unfinished_requests() and eng.scheduler.kv.usage == 0.0
+
+
+def test_async_scheduling_drops_the_token_computed_after_eos():
+    eng = make_engine(async_scheduling=True, eos_at={"a": 1})
+    add(eng, "a", 6, max_tokens=10)
+    outs = run_to_end(eng)
+    assert tokens(outs, "a") == [scripted_token("a", 6), 2]
+    assert outs["a"][-1].finish_reason == "stop"
+    # the decode after EOS was launched before EOS was seen; its token went nowhere
+    assert [s.num_scheduled_tokens for s in eng.runner.steps] == [{"a": 6}, {"a": 1}, {"a": 1}]
+
+
+@dataclass
+class ResumeCheckingRunner(FakeRunner):
+    """Records how many tokens a request had when preempted, and when resumed."""
+
+    at_preemption: dict[str, list[int]] = field(default_factory=dict)
+    at_resume: dict[str, list[int]] = field(default_factory=dict)
+
+    def execute(self, sched):
+        for req_id in sched.preempted_req_ids:
+            self.at_preemption.setdefault(req_id, []).append(len(self.states[req_id].tokens))
+        for new in sched.new_reqs:
+            if new.output_token_ids:
+                n = len(new.prompt_token_ids) + len(new.output_token_ids)
+                self.at_resume.setdefault(new.req_id, []).append(n)
+        return super().execute(sched)
+
+
+def test_async_scheduling_keeps_the_pending_token_of_a_preempted_request():
+    """The newest request is preempted while its next token is being computed (async: every
+    preemption is); it resumes with that token, not recomputing it."""
+    eng = make_engine(
+        async_scheduling=True, runner=ResumeCheckingRunner, num_blocks=9, block_size=4
+    )
+    add(eng, "old", 6, max_tokens=20)
+    new = add(eng, "new", 6, max_tokens=20, start=100)
+    outs = run_to_end(eng)
+    assert new.num_preemptions >= 1
+    assert eng.runner.at_resume["new"] == eng.runner.at_preemption["new"]
+    assert len(tokens(outs, "new")) == 20

@@ -109,12 +109,21 @@ def _fill_cache(reference):
     REF_CACHE.update(zip(PROMPTS, reference, strict=True))
 
 
-def test_preemption_by_tiny_pool_keeps_tokens(reference):
+def test_preemption_by_tiny_pool_keeps_tokens(llm, reference):
+    """Greedy and seeded outputs are those of an unpreempted run: a preempted request resumes
+    with its seeded generator where it was."""
     # 12 blocks of 8 = 88 servable tokens: five ~45-token requests cannot all run at once.
-    llm = LLM(None, dtype="float32", num_blocks=12, block_size=8, max_num_seqs=8)
-    assert greedy(llm, PROMPTS) == reference
-    assert llm.engine.stats().num_preemptions_total > 0
-    assert llm.engine.stats().kv_cache_usage == 0.0
+    tiny = LLM(None, dtype="float32", num_blocks=12, block_size=8, max_num_seqs=8)
+    assert greedy(tiny, PROMPTS) == reference
+    assert tiny.engine.stats().num_preemptions_total > 0
+    seeded = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=N, ignore_eos=True) for i in range(5)
+    ]
+    before = tiny.engine.stats().num_preemptions_total
+    got = [o.outputs[0].token_ids for o in tiny.generate(PROMPTS, seeded)]
+    assert tiny.engine.stats().num_preemptions_total > before
+    assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded)]
+    assert tiny.engine.stats().kv_cache_usage == 0.0
 
 
 def test_runner_rows_grow_and_are_reused_through_preemption(reference):
@@ -198,13 +207,16 @@ def test_n_choices_stop_strings_and_logprobs(llm):
     assert llm.engine.stats().kv_cache_usage == 0.0
 
 
-def test_async_output_processing_changes_no_output(llm, reference):
-    """Outputs processed one step late, while the next step runs (the GPU default), are the
-    same outputs: greedy tokens through preemption, seeded n > 1 choices with logprobs, and a
-    stop string, whose request the core ends a step later (the token it computed meanwhile is
-    dropped); every block comes back."""
-    late = LLM(None, dtype="float32", num_blocks=12, block_size=8, max_num_seqs=8)
-    late.engine.async_output = True
+def test_async_scheduling_changes_no_output(llm, reference):
+    """Each step scheduled and launched before the previous one's ids reach the host (the GPU
+    default; the ids fed to the next step from the device) gives the same outputs: greedy
+    tokens through preemption, seeded n > 1 choices with logprobs, penalties (whose history
+    ends with a fed token), and a stop string, whose request the core ends a step later (the
+    token it computed meanwhile is dropped); every block comes back."""
+    late = LLM(
+        None, dtype="float32", num_blocks=12, block_size=8, max_num_seqs=8, async_scheduling=True
+    )
+    assert late.engine.core.async_scheduling
     assert greedy(late, PROMPTS) == reference
     assert late.engine.stats().num_preemptions_total > 0
 
@@ -228,6 +240,14 @@ def test_async_output_processing_changes_no_output(llm, reference):
         SamplingParams(temperature=0, max_tokens=12, stop=["Paris"]),
         SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5, logprobs=2),
         SamplingParams(temperature=0, max_tokens=12, stop=[" capital", "Paris"]),
+        SamplingParams(
+            temperature=0,
+            max_tokens=16,
+            repetition_penalty=1.5,
+            frequency_penalty=1.5,
+            presence_penalty=0.5,
+            min_tokens=4,
+        ),
     ]
     for params in cases:
         got, want = late.generate(prompt, params), llm.generate(prompt, params)
@@ -240,6 +260,26 @@ def test_async_output_processing_changes_no_output(llm, reference):
     assert late.engine.stats().num_steps - steps <= len(stopped.token_ids) + 3
     assert not late.engine.has_unfinished_requests()
     assert late.engine.stats().kv_cache_usage == 0.0
+
+
+def test_async_scheduling_never_gives_a_stale_token_to_a_reused_request_id(llm):
+    """A request ended by a stop string has one more step in flight for it; a new request that
+    takes its id at once gets only its own tokens."""
+    engine = LLM(None, dtype="float32", async_scheduling=True).engine
+    stop = SamplingParams(temperature=0, max_tokens=30, stop=["Paris"])
+    engine.add_request("x", engine.tokenize_prompt("The capital of France is"), stop)
+    outputs = []
+    while not any(o.finished for o in outputs):
+        outputs = engine.step()
+    assert outputs[-1].outputs[0].stop_reason == "Paris"
+    assert engine.core.has_unfinished_requests()  # its next token is still being computed
+    second = SamplingParams(temperature=0, max_tokens=8)
+    prompt = "Water boils at"
+    engine.add_request("x", engine.tokenize_prompt(prompt), second)
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() for t in o.outputs[0].token_ids]
+    assert tokens == llm.generate(prompt, second)[0].outputs[0].token_ids
 
 
 def test_chat_uses_the_template(llm):

@@ -5,8 +5,10 @@ built with `decode_graphs=DecodeGraphs(..., capture=False)` (what CUDA graphs re
 eagerly). Both see the same schedule (chunked prefill at a 16-token budget, batches shrinking
 as requests finish, preemption in a small KV pool, prefix-cache hits), so greedy and seeded
 random outputs must be identical, and the padded path must really have run at several buckets.
-Also: `--enforce-eager` and `--disable-async-output-proc` reach EngineArgs, and CPU engines
-never get graphs or outputs processed during the next step.
+The padded engine also runs with async scheduling, as a CUDA engine does (the ids fed into
+the graphs' static inputs on the device). Also: `--enforce-eager` and
+`--[no-]async-scheduling` reach EngineArgs, and CPU engines get neither graphs nor async
+scheduling by default.
 """
 
 from __future__ import annotations
@@ -117,22 +119,27 @@ def padded(llm: LLM) -> DecodeGraphs:
 def test_padded_decode_engine_equals_plain_engine(checkpoint) -> None:
     plain = LLM(checkpoint, **ENGINE)
     assert plain.engine.core.runner.decode_graphs is None  # CPU engines never get graphs
-    assert not plain.engine.async_output  # nor outputs processed during the next step
+    assert not plain.engine.core.async_scheduling  # nor async scheduling
     expected = run(plain)
     stats = plain.engine.stats()
     assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
 
     llm = LLM(checkpoint, **ENGINE)
     graphs = padded(llm)
-    llm.engine.async_output = True  # as a CUDA engine runs: outputs one step late
+    llm.engine.core.async_scheduling = True  # as a CUDA engine runs
     assert run(llm) == expected
     assert len(graphs.steps) >= 3, graphs.steps  # batches shrank through several buckets
     assert any(b > 1 for b in graphs.steps)
 
 
-def test_enforce_eager_and_async_output_flags() -> None:
+def test_enforce_eager_and_async_scheduling_flags() -> None:
     parser = add_serve_arguments(argparse.ArgumentParser())
-    for flag in ("enforce_eager", "disable_async_output_proc"):
-        option = "--" + flag.replace("_", "-")
-        assert getattr(engine_args_from(parser.parse_args([option])), flag)
-        assert not getattr(engine_args_from(parser.parse_args([])), flag)
+
+    def engine_args(*argv: str):
+        return engine_args_from(parser.parse_args(list(argv)))
+
+    assert engine_args("--enforce-eager").enforce_eager
+    assert not engine_args().enforce_eager
+    assert engine_args("--async-scheduling").async_scheduling is True
+    assert engine_args("--no-async-scheduling").async_scheduling is False
+    assert engine_args().async_scheduling is None  # the device decides

@@ -38,7 +38,7 @@ def test_smoke_run(tmp_path) -> None:
     decode = [r for r in report["timing"] if r["unit"] == "ms/step"]
     assert len(decode) == 4 and all(r["graph_steps"] > 0 for r in decode)
     assert all(r["kvflow_graphs"] > 0 and r["floor_ms"] > 0 for r in decode)
-    assert all(r["kvflow_graphs_no_overlap"] > 0 for r in decode)
+    assert all(r["kvflow_graphs_sync"] > 0 for r in decode)
     assert report["copy_bandwidth_gbs"] > 0
     assert report["table"] in proc.stdout
     assert len(report["table"].splitlines()) == 2 + 6  # header + 2 x (2 decode + 1 prefill)

@@ -25,19 +25,19 @@ class Recorder:
         self.stats.append(stats)
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["output-after-step", "async-output"])
-def async_output(request, monkeypatch) -> None:
-    """Every test twice: outputs processed after their step, and while the next step runs (the
-    GPU default: a step returns the previous step's outputs)."""
-    monkeypatch.setattr(sys.modules[__name__], "ASYNC_OUTPUT", request.param)
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async-scheduling"])
+def async_scheduling(request, monkeypatch) -> None:
+    """Every test twice: steps applied as they end, and each step scheduled while the previous
+    one runs (the GPU default: a step returns the previous step's outputs)."""
+    monkeypatch.setattr(sys.modules[__name__], "ASYNC_SCHEDULING", request.param)
 
 
-ASYNC_OUTPUT = False
+ASYNC_SCHEDULING = False
 
 
 def make_engine(max_num_seqs: int = 8, **kwargs) -> tuple[AsyncEngine, SlowRunner, Recorder]:
     engine, runner = make_llm_engine(max_num_seqs=max_num_seqs)
-    engine.async_output = ASYNC_OUTPUT
+    engine.core.async_scheduling = ASYNC_SCHEDULING
     recorder = Recorder()
     return AsyncEngine(engine, stat_logger=recorder, **kwargs), runner, recorder
 
@@ -77,6 +77,28 @@ def test_generate_streams_deltas_and_records_stats():
     finished = [f for s in recorder.stats for f in s.finished]
     assert [(f.finish_reason, f.num_generation_tokens) for f in finished] == [("length", 10)]
     assert not engine.threads_alive()
+
+
+def test_queue_time_ends_at_the_first_scheduling():
+    """vLLM's queue time: arrival to first scheduling, not to the step that reported the first
+    token (with async scheduling a step later). `b` waits for `a` (one running slot)."""
+
+    async def main():
+        engine, runner, recorder = make_engine(max_num_seqs=1)
+        runner.delay = 0.2
+        engine.start()
+        a = asyncio.ensure_future(engine.generate("a", PROMPT, params(2)).__anext__())
+        await asyncio.sleep(0)
+        b = [o async for o in engine.generate("b", PROMPT, params(1))]
+        await a
+        await engine.shutdown(0)
+        return b, recorder
+
+    b, recorder = run(main())
+    assert b[-1].finished
+    queued = {f.num_generation_tokens: f.queued_time for s in recorder.stats for f in s.finished}
+    assert queued[2] < 0.1  # a: scheduled by the first step
+    assert queued[1] >= 0.3  # b: behind a's two steps
 
 
 def test_validation_error_raises_before_anything_is_queued():

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvflow.transfer import to_device
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -101,10 +103,10 @@ class AttentionMetadata:
         np.cumsum(q_lens, out=query_start_loc[1:])
         slot_mapping = _slot_mapping(table, q_lens, computed, query_start_loc, block_size)
         return cls(
-            slot_mapping=_to(slot_mapping, torch.int64, device),
-            query_start_loc=_to(query_start_loc, torch.int32, device),
-            seq_lens=_to(seq_lens, torch.int32, device),
-            block_tables=_to(table, torch.int32, device),
+            slot_mapping=to_device(slot_mapping, torch.int64, device),
+            query_start_loc=to_device(query_start_loc, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            block_tables=to_device(table, torch.int32, device),
             max_query_len=int(q_lens.max()) if num_reqs else 0,
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
             block_size=block_size,
@@ -144,7 +146,3 @@ def _slot_mapping(
     positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req] + computed[req]
     blocks = table[req, positions // block_size].astype(np.int64)
     return blocks * block_size + positions % block_size
-
-
-def _to(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)

@@ -33,9 +33,13 @@ class SchedulerOutput:
     cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
     total_num_scheduled_tokens: int
-    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    # Requests the runner must forget (ended since the last step; unknown ids are ignored).
     finished_req_ids: set[str] = field(default_factory=set)
-    num_preemptions: int = 0
+    # Requests preempted since the last step: the runner drops their rows and keeps their
+    # sampling state (seeded generator) for the resume, which sends them whole again. Applied
+    # after finished_req_ids, before new_reqs; ids it no longer has are ignored.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    num_preemptions: int = 0  # preemptions made by this step's scheduling
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +75,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # set on a request's first output token
 
     @property
     def finished(self) -> bool:

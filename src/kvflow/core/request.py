@@ -48,8 +48,13 @@ class Request:
 
     The scheduler closes the gap between `num_computed_tokens` and `num_tokens` step by step:
 
-        |<------------- prompt -------------->|<---- output ---->|
-        |<--- num_computed_tokens --->|<- gap scheduled next ->|
+        |<------------- prompt -------------->|<---- output ---->|<- pending ->|
+        |<--- num_computed_tokens --->|<------ gap scheduled next ------------>|
+
+    `num_computed_tokens` counts the tokens of every step scheduled so far, launched or done.
+    Pending tokens are being sampled by launched steps whose outputs are not applied yet (with
+    async scheduling, up to two: the step in flight and the one just scheduled); the next
+    step can already compute the newest one, whose id the runner keeps on the device.
     """
 
     request_id: str
@@ -64,6 +69,7 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None
@@ -83,6 +89,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

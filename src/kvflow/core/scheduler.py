@@ -5,6 +5,13 @@ the budget allows: running requests first (oldest first), then waiting ones in F
 Prefill chunks and decodes share the step. When blocks run out, the newest running request is
 preempted (its blocks freed, recomputed later). The oldest request is never preempted while a
 younger one holds blocks, and admission guarantees it fits alone, so every request finishes.
+
+Async scheduling: `schedule()` may run while the previous step is still on the device. It
+counts that step as computed and its sampled tokens as pending (`Request.num_pending_tokens`),
+so a request's next decode is scheduled before its previous token is known (the runner feeds
+it from the device). A request whose pending tokens already reach `max_tokens` is not
+scheduled again; one that stops on a token only seen later has one extra token computed,
+which `update_from_output` drops with the finished request.
 """
 
 from __future__ import annotations
@@ -37,8 +44,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: running[-1] is the preemption victim
-        self._runner_blocks: dict[str, int] = {}  # requests the runner knows -> blocks it was sent
-        self._forget: set[str] = set()  # finished/preempted since the last step: runner drops them
+        self._runner_blocks: dict[str, int] = {}  # requests the runner has -> blocks it was sent
+        self._forget: set[str] = set()  # ended since the last step: the runner drops them
+        self._preempted: set[str] = set()  # preempted since the last step: the runner parks them
         self.head_blocked_on_kv = False
         self.num_preemptions_total = 0
 
@@ -66,8 +74,9 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's tokens. Returns what the runner computes; request state is updated
-        (blocks held, counters) only by `update_from_output` and the preemptions done here."""
+        """Choose this step's tokens. Returns what the runner computes. The scheduled requests
+        hold their blocks and count the tokens as computed (and a token they sample as
+        pending); sampled tokens arrive through `update_from_output`."""
         budget = self.config.max_num_batched_tokens
         num_tokens: dict[str, int] = {}
         preempted: list[Request] = []
@@ -75,6 +84,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, num_tokens)
         self.num_preemptions_total += len(preempted)
+        if not num_tokens:  # nothing to launch: the runner hears of ended requests later
+            return SchedulerOutput([], [], {}, 0, num_preemptions=len(preempted))
         return self._make_output(num_tokens, len(preempted))
 
     def _schedule_running(
@@ -83,7 +94,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
+                i += 1  # its last token is pending: it finishes when that step's output arrives
+                continue
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running[-1]  # the newest; never older than `req`
                 self._preempt(victim)
@@ -116,7 +130,9 @@ class Scheduler:
             budget -= n
 
     def _preempt(self, req: Request) -> None:
-        """Recompute-mode preemption: free every block, reset the counter, back to the queue head."""
+        """Recompute-mode preemption: free every block, reset the counter, back to the queue
+        head. A token still pending (async scheduling) arrives before it can resume, and is
+        kept."""
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -124,7 +140,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         del self._runner_blocks[req.request_id]
-        self._forget.add(req.request_id)
+        self._preempted.add(req.request_id)
 
     def _make_output(self, num_tokens: dict[str, int], num_preemptions: int) -> SchedulerOutput:
         new_reqs, cached_reqs = [], []
@@ -137,7 +153,6 @@ class Scheduler:
                 self._runner_blocks[req_id] = known + len(new_ids)
             else:
                 block_ids = self.kv.get_block_ids(req_id)
-                self._forget.discard(req_id)
                 new_reqs.append(
                     NewRequestData(
                         req_id,
@@ -149,9 +164,19 @@ class Scheduler:
                     )
                 )
                 self._runner_blocks[req_id] = len(block_ids)
+            req.num_computed_tokens += num_tokens[req_id]
+            if req.num_computed_tokens == req.num_tokens_with_pending:
+                req.num_pending_tokens += 1  # this step samples its next token
         forget, self._forget = self._forget, set()
+        preempted, self._preempted = self._preempted, set()
         return SchedulerOutput(
-            new_reqs, cached_reqs, num_tokens, sum(num_tokens.values()), forget, num_preemptions
+            new_reqs,
+            cached_reqs,
+            num_tokens,
+            sum(num_tokens.values()),
+            forget,
+            preempted,
+            num_preemptions,
         )
 
     # ---- results ---------------------------------------------------------------------------
@@ -159,13 +184,15 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advance counters, append sampled tokens, apply stop conditions, free finished requests."""
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        With async scheduling the next step is scheduled first: a request it preempted gets
+        its token (it waits with it), one that ended since is skipped."""
         outputs = []
-        for req_id, n in sched.num_scheduled_tokens.items():
+        for req_id in sched.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            req.num_computed_tokens += n
+            if req is None:
+                continue
             if req_id in result.failed:
                 outputs.extend(
                     self.finish_requests(
@@ -175,6 +202,7 @@ class Scheduler:
                 continue
             new_ids = []
             for token in result.sampled_token_ids.get(req_id, ()):
+                req.num_pending_tokens -= 1
                 req.output_token_ids.append(token)
                 new_ids.append(token)
                 if self._check_stop(req, token):
@@ -187,6 +215,8 @@ class Scheduler:
                 result.logprobs.get(req_id),
                 num_cached_tokens=req.num_cached_tokens,
             )
+            if req.num_output_tokens == len(new_ids):
+                out.first_scheduled_time = req.first_scheduled_time
             if req.is_finished:
                 self._free(req)
                 out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
@@ -214,8 +244,6 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None:
                 continue
-            if req.status != RequestStatus.RUNNING:
-                self.waiting.remove(req)
             req.status, req.error = status, error
             self._free(req)
             outputs.append(
@@ -230,9 +258,8 @@ class Scheduler:
         return outputs
 
     def _free(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
+        (self.running if req in self.running else self.waiting).remove(req)
         self.kv.free(req)
         del self.requests[req.request_id]
-        if self._runner_blocks.pop(req.request_id, None) is not None:
-            self._forget.add(req.request_id)
+        self._runner_blocks.pop(req.request_id, None)
+        self._forget.add(req.request_id)  # the runner may hold it, running or preempted

@@ -55,7 +55,7 @@ class _Track:
     n: int
     num_prompt_tokens: int
     arrival: float
-    first_step: float | None = None
+    scheduled_at: float | None = None
     last_token: float | None = None
     num_generated: int = 0
 
@@ -63,8 +63,8 @@ class _Track:
 class StatsTracker:
     """Per-request timing, owned by the engine thread.
 
-    Queue time is measured up to the start of the step that produced the request's first token
-    (the engine reports no separate "scheduled" event), so it includes chunked-prefill steps.
+    Queue time is measured up to the request's first scheduling (vLLM's definition), which its
+    first output reports (else the start of the step that reported it).
     """
 
     def __init__(self, initial: EngineStats) -> None:
@@ -113,7 +113,7 @@ class StatsTracker:
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
         if new_tokens:
             if track.last_token is None:
-                track.first_step = step_start
+                track.scheduled_at = output.metrics.get("first_scheduled_time", step_start)
                 stats.time_to_first_tokens.append(now - track.arrival)
                 stats.num_prompt_tokens += track.num_prompt_tokens
             else:
@@ -128,7 +128,7 @@ class StatsTracker:
                 FinishedRequestStats(
                     finish_reason=reasons[-1] if reasons else "abort",
                     e2e_latency=now - track.arrival,
-                    queued_time=(track.first_step or now) - track.arrival,
+                    queued_time=(track.scheduled_at or now) - track.arrival,
                     num_prompt_tokens=track.num_prompt_tokens,
                     num_generation_tokens=track.num_generated,
                 )

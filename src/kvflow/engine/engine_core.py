@@ -1,8 +1,15 @@
 """EngineCore: one step = schedule, run the model, update. The runner is injected.
 
-A step can be split in two (`launch`, then the call it returns) so that the caller works while
-the model runs: on a GPU the forward is queued and the host is free until the sampled ids are
-needed (LLMEngine detokenizes the previous step there)."""
+A step is split in two: `launch` schedules and queues the model work, the call it returns
+waits for that work and applies it. With `async_scheduling` (the default on CUDA) `step()`
+launches step N+1 before it applies step N, so that the host schedules, builds inputs and
+detokenizes while the device computes:
+
+    host    | launch N+1 | wait N, apply N | (LLMEngine: detokenize N) | launch N+2 | wait N+1 ..
+    device  | ..... step N ......| ......... step N+1 ...............| ...... step N+2 ....
+
+Outputs then come one step after the work that produced them; without it a step is
+`launch()()`, as on the CPU, where the model runs on the host anyway."""
 
 from __future__ import annotations
 
@@ -40,11 +47,19 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Runner, log_steps: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        log_steps: bool = False,
+        async_scheduling: bool = False,
+    ) -> None:
         self.config = config
         self.runner = runner
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.log_steps = log_steps
+        self.async_scheduling = async_scheduling
+        self._in_flight: Callable[[], list[EngineCoreOutput]] | None = None  # launched, unapplied
         self.num_stuck_failures = 0
         self.num_steps = 0
         self.last_step_tokens = 0  # tokens scheduled by the latest step (iteration_tokens)
@@ -62,25 +77,37 @@ class EngineCore:
         return self.scheduler.finish_requests(req_ids, status, error)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one step. Returns outputs for requests that produced tokens or finished."""
-        return self.launch()()
+        """Run one step. Returns outputs for requests that produced tokens or finished: this
+        step's, or with async scheduling the previous step's (this one stays in flight)."""
+        if not self.async_scheduling:  # (a step still in flight: it was just switched off)
+            previous, self._in_flight = self._in_flight, None
+            return (previous() if previous is not None else []) + self.launch()()
+        finish = self.launch()
+        launched = self.last_step_tokens > 0
+        previous, self._in_flight = self._in_flight, finish if launched else None
+        outputs = previous() if previous is not None else []
+        return outputs if launched else outputs + finish()
 
     def launch(self) -> Callable[[], list[EngineCoreOutput]]:
         """Schedule one step and start its model work. The returned call waits for that work,
-        applies it (tokens, stops, freed blocks) and returns `step()`'s outputs; nothing may
-        add, abort or step in between."""
+        applies it (tokens, stops, freed blocks) and returns its outputs. Adds and aborts may
+        come in between; the next `launch` may too, before the call (async scheduling), but
+        not a third."""
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
         self.num_steps += 1
         self.last_step_tokens = sched.total_num_scheduled_tokens
         wait = None if sched.is_empty else self.runner.launch(sched)
+        # Nothing scheduled: with a step in flight its output will change that; with none the
+        # queue head can never run (checked now, while the state is the one that failed).
+        stuck = [] if wait is not None or self._in_flight is not None else self._fail_stuck_head()
 
         def finish() -> list[EngineCoreOutput]:
             if wait is None:
-                outputs = self._fail_stuck_head()
+                outputs = stuck
             else:
                 outputs = self.scheduler.update_from_output(sched, wait())
             if self.log_steps:

@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 
 from kvflow.config import EngineConfig
-from kvflow.core.messages import EngineCoreOutput
 from kvflow.core.request import Request, RequestStatus
 from kvflow.engine.engine_core import EngineCore, EngineStats, Runner
 from kvflow.engine.output_processor import OutputProcessor
@@ -38,8 +37,8 @@ class EngineArgs:
     max_num_queued_reqs: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no graphs, every step eager (the CPU always is)
-    # CUDA: detokenize a step's outputs while the next step runs (see LLMEngine.step)
-    disable_async_output_proc: bool = False
+    # Schedule the next step while this one runs (EngineCore); None: on for CUDA, off for CPU
+    async_scheduling: bool | None = None
     seed: int = 0
     chat_template: str | None = None
     log_engine_steps: bool = False
@@ -57,7 +56,7 @@ class LLMEngine:
         device: str = "cpu",
         log_steps: bool = False,
         generation_eos_ids: frozenset[int] = frozenset(),
-        async_output: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -67,13 +66,8 @@ class LLMEngine:
         self.generation_eos_ids = generation_eos_ids - {eos_token_id}
         self.dtype_name = dtype_name
         self.device = device
-        self.core = EngineCore(config, runner, log_steps=log_steps)
+        self.core = EngineCore(config, runner, log_steps, async_scheduling)
         self.output_processor = OutputProcessor(tokenizer)
-        # Overlap output processing with the model: `step` processes the previous step's core
-        # outputs while its own model work runs. Worth it where that work is asynchronous (a
-        # GPU); elsewhere it would only delay every output by one step.
-        self.async_output = async_output
-        self._pending: list[EngineCoreOutput] = []  # core outputs not yet processed
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
@@ -169,21 +163,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; delta outputs for every request that progressed or ended.
 
-        With `async_output` they are the previous step's outputs, detokenized while this step's
-        model work runs: the host would otherwise sit idle waiting for the device. A stop string
-        then ends its request one step late; the token it computed meanwhile is dropped."""
-        finish = self.core.launch()
-        if self.async_output:
-            outputs, stopped = self.output_processor.process(self._pending)
-            self._pending = finish()
-        else:
-            outputs, stopped = self.output_processor.process(finish())
+        With async scheduling they are the previous step's outputs, detokenized while this
+        step runs on the device. A stop string then ends its request in the core while the
+        step computes one more token for it, which the core drops."""
+        outputs, stopped = self.output_processor.process(self.core.step())
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or bool(self._pending)
+        return self.core.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -103,6 +103,8 @@ class OutputProcessor:
                 )
                 deltas[parent.request_id] = ro
             ro.outputs.append(completion)
+            if out.first_scheduled_time is not None:
+                ro.metrics.setdefault("first_scheduled_time", out.first_scheduled_time)
             if out.error:
                 ro.metrics["error"] = out.error
         for ro in deltas.values():

@@ -74,9 +74,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="CUDA: run every step eagerly (no CUDA graphs for decode batches)",
     )
     p.add_argument(
-        "--disable-async-output-proc",
-        action="store_true",
-        help="CUDA: detokenize each step's outputs after it, not while the next step runs",
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule each step while the previous one runs on the device, its sampled ids "
+        "fed to the next on the device (default: on for CUDA, off for the CPU)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a file or an inline Jinja template")
@@ -142,7 +144,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_queued_reqs=args.max_num_queued_reqs,  # enforced at admission by AsyncEngine
         enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager,
-        disable_async_output_proc=args.disable_async_output_proc,
+        async_scheduling=args.async_scheduling,
         seed=args.seed,
         chat_template=args.chat_template,
         log_engine_steps=args.log_engine_steps,

@@ -227,7 +227,9 @@ def build_engine(cls, args, log_steps: bool):
         device=device,
         log_steps=log_steps,
         generation_eos_ids=generation_eos_ids(path),
-        async_output=device.startswith("cuda") and not args.disable_async_output_proc,
+        async_scheduling=(
+            device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        ),
     )
 
 

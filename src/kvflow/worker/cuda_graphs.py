@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -124,10 +125,13 @@ class DecodeGraphs:
         positions: np.ndarray,
         block_table: np.ndarray,
         num_blocks: np.ndarray,
+        fill_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Final hidden states [B, hidden] of B decode tokens: request b's token `input_ids[b]`
         at position `positions[b]` (its context before this step), its `num_blocks[b]` blocks
         in row b of `block_table` [B, W] (then zeros; `pack_block_ids` makes one from lists).
+        `fill_ids`, if given, is called with the ids on the device before the forward, to
+        write ids that are still on the device (async scheduling).
 
         The result is a view into the graph's output, valid until the next call.
         """
@@ -136,6 +140,8 @@ class DecodeGraphs:
             raise ValueError(f"{num_reqs} requests do not fit the largest bucket {self.max_batch}")
         bucket = self.bucket_for(num_reqs)
         self._load(bucket, input_ids, positions, block_table, num_blocks)
+        if fill_ids is not None:
+            fill_ids(self._longs[:bucket])
         self.steps[bucket] += 1
         if self.use_graphs:
             if bucket not in self._graphs:

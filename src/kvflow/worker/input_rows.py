@@ -5,6 +5,11 @@ instead of rebuilding its inputs from every request's Python lists.
         token_ids[r, :num_tokens[r]]     prompt (prompt_len[r] tokens), then sampled tokens
         block_table[r, :num_blocks[r]]   its KV blocks in order; zeros (the null block) after
         num_computed[r]                  its tokens already in the KV cache
+        epoch[r]                         bumped when the row is taken or freed
+
+A sampled token is appended when its step is launched, as a placeholder (0) that `fill` turns
+into the id once it reaches the host; `fill` skips rows whose epoch changed since (the request
+ended and the row may hold another one).
 
 A step of requests at rows `index` with `q` new tokens each reads, all vectorized:
     input ids   token_ids[repeat(index, q), positions]
@@ -32,6 +37,7 @@ class InputRows:
         self.num_tokens = np.zeros(rows, dtype=np.int64)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.num_computed = np.zeros(rows, dtype=np.int64)
+        self.epoch = np.zeros(rows, dtype=np.int64)
         self._free = list(range(rows - 1, -1, -1))
 
     def add(
@@ -41,6 +47,7 @@ class InputRows:
         if not self._free:
             self._grow(rows=2 * len(self.num_tokens))
         row = self._free.pop()
+        self.epoch[row] += 1
         p, n = len(prompt), len(prompt) + len(outputs)
         self._fit(tokens=n)
         self.token_ids[row, :p] = prompt
@@ -53,6 +60,7 @@ class InputRows:
 
     def remove(self, row: int) -> None:
         self.block_table[row, : self.num_blocks[row]] = 0
+        self.epoch[row] += 1
         self._free.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -62,14 +70,22 @@ class InputRows:
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
-    def append_tokens(self, rows: list[int], tokens: list[int]) -> None:
-        """One sampled token for each of `rows` (distinct)."""
-        if not rows:
-            return
+    def append_tokens(self, rows: np.ndarray, tokens: int | np.ndarray = 0) -> np.ndarray:
+        """One token for each of `rows` (distinct; 0 is a placeholder for `fill`); returns
+        their positions."""
         at = self.num_tokens[rows]
-        self._fit(tokens=int(at.max()) + 1)
+        if len(at):
+            self._fit(tokens=int(at.max()) + 1)
         self.token_ids[rows, at] = tokens
         self.num_tokens[rows] = at + 1
+        return at
+
+    def fill(
+        self, rows: np.ndarray, epochs: np.ndarray, positions: np.ndarray, tokens: np.ndarray
+    ) -> None:
+        """Write placeholders' ids, in the rows whose epoch is still `epochs`."""
+        live = self.epoch[rows] == epochs
+        self.token_ids[rows[live], positions[live]] = tokens[live]
 
     def input_ids(self, index: np.ndarray, q_lens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """int64 [sum(q_lens)]: request b's tokens at its `q_lens[b]` positions."""
@@ -92,7 +108,7 @@ class InputRows:
             new = np.zeros((rows, cols or old.shape[1]), dtype=old.dtype)
             new[:old_rows, : old.shape[1]] = old
             setattr(self, name, new)
-        for name in ("prompt_len", "num_tokens", "num_blocks", "num_computed"):
+        for name in ("prompt_len", "num_tokens", "num_blocks", "num_computed", "epoch"):
             new = np.zeros(rows, dtype=np.int64)
             new[:old_rows] = getattr(self, name)
             setattr(self, name, new)

@@ -1,6 +1,11 @@
 """ModelRunner: launch(SchedulerOutput) -> wait() -> ModelRunnerOutput. One forward per step over
 every scheduled token (prefill chunks and decodes packed together); never mutates request state.
-On a GPU `launch` only queues the work and the host is free until `wait()`."""
+On a GPU `launch` only queues the work and the host is free until `wait()`.
+
+With async scheduling the next `launch` comes before that wait: a request's newest token is
+then still on the device, a placeholder in its row. The launch copies it, on the device, from
+the previous step's sampled ids into the inputs (and into the penalties' history), and the
+wait writes the ids into the rows."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import torch
 from kvflow.attention.metadata import AttentionMetadata, token_positions
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
+from kvflow.transfer import to_device
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.input_rows import InputRows
 from kvflow.worker.sampler import SamplerOutput, SamplingMetadata, sample
@@ -21,11 +27,26 @@ from kvflow.worker.sampler import SamplerOutput, SamplingMetadata, sample
 @dataclass
 class CachedRequestState:
     """The runner's copy of a request: what it needs to build inputs without being re-sent.
-    Its tokens, block ids and counters live in its row of `InputRows`."""
+    Its tokens, block ids and counters live in its row of `InputRows`; a preempted request has
+    no row (-1) and keeps its generator, so that a seed gives the same tokens however often
+    the request is preempted."""
 
     params: SamplingParams
     generator: torch.Generator | None
     row: int
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """A launched step's sampled ids, on the device until its wait reads them. Element i is
+    the token of row `rows[i]` at `positions[i]` (a placeholder until then), if the row still
+    has epoch `epochs[i]` (see InputRows)."""
+
+    ids: torch.Tensor  # int64 [S]
+    states: list[CachedRequestState]
+    rows: np.ndarray
+    epochs: np.ndarray
+    positions: np.ndarray
 
 
 class ModelRunner:
@@ -50,25 +71,33 @@ class ModelRunner:
         # Decode-only steps that fit its largest bucket run through it (CUDA graphs); None
         # (the CPU, --enforce-eager): every step is one eager forward.
         self.decode_graphs = decode_graphs
+        self._in_flight: _Sampled | None = None  # the latest launch's ids, until its wait
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         rows = self.rows
         for req_id in sched.finished_req_ids:
             state = self.requests.pop(req_id, None)
-            if state is not None:
+            if state is not None and state.row >= 0:
                 rows.remove(state.row)
+        for req_id in sched.preempted_req_ids:
+            state = self.requests.get(req_id)
+            if state is not None and state.row >= 0:
+                rows.remove(state.row)
+                state.row = -1
         for new in sched.new_reqs:
-            params: SamplingParams = new.sampling_params
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed)
-            if new.req_id in self.requests:  # resumed without being forgotten: free the old row
-                rows.remove(self.requests[new.req_id].row)
             row = rows.add(
                 new.prompt_token_ids, new.output_token_ids, new.block_ids, new.num_computed_tokens
             )
-            self.requests[new.req_id] = CachedRequestState(params, gen, row)
+            state = self.requests.get(new.req_id)  # a preempted request resumes
+            if state is None:
+                params: SamplingParams = new.sampling_params
+                gen = None
+                if params.seed is not None:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed(params.seed)
+                self.requests[new.req_id] = CachedRequestState(params, gen, row)
+            else:
+                state.row = row
         for cached in sched.cached_reqs:
             row = self.requests[cached.req_id].row
             if cached.new_block_ids:
@@ -101,6 +130,7 @@ class ModelRunner:
         ends = computed + q_lens
         positions = token_positions(q_lens, computed)
         input_ids = rows.input_ids(index, q_lens, positions)
+        feed = self._feed_from_device(index)
         num_blocks = rows.num_blocks[index]
         table = rows.block_table[index, : max(int(num_blocks.max()), 1)]
         # Rows that complete their request's known tokens produce the next token. What the
@@ -113,62 +143,124 @@ class ModelRunner:
         logit_rows = None  # every token's row is sampled (decode steps): no gather needed
         if sample_ids:
             if not decode_only:
-                logit_rows = torch.from_numpy(q_lens.cumsum()[sample_rows] - 1).to(self.device)
-            sampling = self._sampling_metadata(sample_ids, index[sample_rows])
+                logit_rows = to_device(q_lens.cumsum()[sample_rows] - 1, torch.int64, self.device)
+            sample_states = [self.requests[r] for r in sample_ids]
+            sampling = self._sampling_metadata(sample_states, index, sample_rows, feed)
+        # the input that is still on the device is each such request's last token
+        fill_ids = None if feed is None else (lambda ids: self._copy_fed(ids, feed, q_lens))
         graphs = self.decode_graphs
         if graphs is not None and decode_only and graphs.fits(num_reqs):
-            hidden = graphs.run(input_ids, computed, table, num_blocks)
+            hidden = graphs.run(input_ids, computed, table, num_blocks, fill_ids)
         else:
             meta = AttentionMetadata.from_table(
                 q_lens, computed, table, num_blocks, self.block_size, self.device
             )
+            ids = to_device(input_ids, torch.int64, self.device)
+            if fill_ids is not None:
+                fill_ids(ids)
             hidden = self.model(
-                torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(positions).to(self.device),
-                self.kv_caches,
-                meta,
+                ids, to_device(positions, torch.int64, self.device), self.kv_caches, meta
             )
         rows.num_computed[index] = ends
         if not sample_ids:
+            self._in_flight = None
             return lambda: ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        return self._sample(logits, sample_ids, sampling)
+        return self._sample(logits, sample_ids, sample_states, sampling)
 
-    def _sampling_metadata(self, req_ids: list[str], index: np.ndarray) -> SamplingMetadata:
-        states = [self.requests[r] for r in req_ids]
-        return SamplingMetadata.build(
+    def _feed_from_device(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The requests (positions b in `index`) whose newest token the in-flight step is
+        still sampling, and where it is in that step's ids; None if there are none."""
+        prev = self._in_flight
+        if prev is None:
+            return None
+        live = self.rows.epoch[prev.rows] == prev.epochs
+        source = np.full(len(self.rows.epoch), -1, dtype=np.int64)
+        source[prev.rows[live]] = np.flatnonzero(live)
+        src = source[index]
+        fed = np.flatnonzero(src >= 0)
+        return (fed, src[fed]) if len(fed) else None
+
+    def _copy_fed(
+        self, target: torch.Tensor, feed: tuple[np.ndarray, np.ndarray], q_lens: np.ndarray
+    ) -> None:
+        """Input ids on the device: the last token of each fed request from the step in flight."""
+        fed, src = feed
+        self._copy_ids(target, q_lens.cumsum()[fed] - 1, src)
+
+    def _copy_ids(self, target: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> None:
+        """target.view(-1)[dst] = the in-flight step's ids[src], queued on the device."""
+        assert self._in_flight is not None
+        ids, flat = self._in_flight.ids, target.view(-1)
+        n = len(dst)
+        if n == len(ids) and np.array_equal(dst, src) and np.array_equal(src, np.arange(n)):
+            flat[:n].copy_(ids)  # the steady decode batch: same requests, same order
+            return
+        pairs = to_device(np.stack((dst, src)), torch.int64, self.device)
+        flat.index_copy_(0, pairs[0], ids.index_select(0, pairs[1]))
+
+    def _sampling_metadata(
+        self,
+        states: list[CachedRequestState],
+        index: np.ndarray,
+        sample_rows: np.ndarray,
+        feed: tuple[np.ndarray, np.ndarray] | None,
+    ) -> SamplingMetadata:
+        rows = index[sample_rows]
+        meta = SamplingMetadata.build(
             [s.params for s in states],
-            self.rows.history(index),
+            self.rows.history(rows),
             [s.generator for s in states],
             self.eos_token_id,
             self.vocab_size,
             self.device,
         )
+        if feed is not None and meta.output_token_ids is not None:
+            # the penalties' history ends with the fed token: copy it there too
+            fed, src = feed
+            at = np.searchsorted(sample_rows, fed)  # fed requests always sample
+            last = self.rows.num_tokens[index[fed]] - 1 - self.rows.prompt_len[index[fed]]
+            self._copy_ids(meta.output_token_ids, at * meta.output_token_ids.shape[1] + last, src)
+        return meta
 
     def _sample(
-        self, logits: torch.Tensor, req_ids: list[str], meta: SamplingMetadata
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        meta: SamplingMetadata,
     ) -> Callable[[], ModelRunnerOutput]:
-        """Queue the sampler on `logits` (row i for req_ids[i]); the returned call reads the
-        sampled ids (the step's first device -> host copy) and appends them to the requests."""
+        """Queue the sampler on `logits` (row i for req_ids[i]) and append placeholders for
+        its ids; the returned call reads them (the step's first device -> host copy)."""
         out = sample(logits, meta)
-        return lambda: self._take(out, req_ids)
+        out.to_host()
+        rows = np.fromiter((s.row for s in states), np.intp, len(states))
+        positions = self.rows.append_tokens(rows)
+        launched = _Sampled(out.sampled, states, rows, self.rows.epoch[rows], positions)
+        self._in_flight = launched
+        return lambda: self._take(out, req_ids, launched)
 
-    def _take(self, out: SamplerOutput, req_ids: list[str]) -> ModelRunnerOutput:
+    def _take(
+        self, out: SamplerOutput, req_ids: list[str], launched: _Sampled
+    ) -> ModelRunnerOutput:
+        """The step's tokens into the rows (those not freed since the launch) and the output
+        (requests not ended since: a preempted one keeps its token)."""
         token_ids = out.token_ids  # the step's wait for the device; logprobs copy after it
-        failed = {
-            req_ids[row]: "the model produced non-finite logits for this request"
-            for row in out.bad_rows
-        }
+        if self._in_flight is launched:
+            self._in_flight = None
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        self.rows.fill(launched.rows, launched.epochs, launched.positions, tokens)
+        bad = set(out.bad_rows)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
-        kept_rows, kept_tokens = [], []
-        for i, (req_id, token) in enumerate(zip(req_ids, token_ids, strict=True)):
-            if req_id in failed:
+        failed: dict[str, str] = {}
+        for i, (req_id, state) in enumerate(zip(req_ids, launched.states, strict=True)):
+            if self.requests.get(req_id) is not state:
+                continue  # ended since the launch (its id may even be in use again)
+            if i in bad:
+                failed[req_id] = "the model produced non-finite logits for this request"
                 continue
-            kept_rows.append(self.requests[req_id].row)
-            kept_tokens.append(token)
-            sampled[req_id] = [token]
+            sampled[req_id] = [token_ids[i]]
             if out.logprobs is not None and out.logprobs[i] is not None:
                 logprobs[req_id] = [out.logprobs[i]]
-        self.rows.append_tokens(kept_rows, kept_tokens)
         return ModelRunnerOutput(sampled, logprobs, failed)

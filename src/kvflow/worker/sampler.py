@@ -18,6 +18,7 @@ from torch import Tensor
 
 from kvflow.core.messages import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
+from kvflow.transfer import to_device
 
 _GREEDY_EPS = 1e-5
 # Exponential draws are clamped away from 0 so probs / draw never becomes 0 / 0.
@@ -125,10 +126,12 @@ class SamplingMetadata:
         prompt_ids = output_ids = None
         if rep is not None:
             zero = np.zeros_like(history.prompt_lens)
-            prompt_ids = _to(history.padded(zero, history.prompt_lens, vocab_size), device)
+            prompt_ids = to_device(
+                history.padded(zero, history.prompt_lens, vocab_size), torch.int64, device
+            )
         if any_penalty:
             ids = history.padded(history.prompt_lens, history.num_tokens, vocab_size)
-            output_ids = _to(ids, device)
+            output_ids = to_device(ids, torch.int64, device)
         return cls(
             all_greedy=all_greedy,
             all_random=not any(greedy),
@@ -155,7 +158,7 @@ def _column(
     values = [getattr(p, name) for p in params]
     if all(v == neutral for v in values):
         return None
-    return torch.tensor(values, dtype=dtype, device=device)
+    return to_device(values, dtype, device)
 
 
 def _random_fields(
@@ -165,20 +168,16 @@ def _random_fields(
     temps = [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
     random_params = [p for p, g in zip(params, greedy, strict=True) if not g]
     fields = dict(_ALL_GREEDY_FIELDS)
-    fields["temperature"] = torch.tensor(temps, dtype=torch.float32, device=device)
+    fields["temperature"] = to_device(temps, torch.float32, device)
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
     if any(top_ks[i] for i, g in enumerate(greedy) if not g):
-        fields["top_k"] = torch.tensor(top_ks, dtype=torch.int64, device=device)
+        fields["top_k"] = to_device(top_ks, torch.int64, device)
         fields["max_top_k"] = max(top_ks)
     if any(p.top_p < 1.0 for p in random_params):
         fields["top_p"] = _column(params, "top_p", 1.0, torch.float32, device)
     if any(p.min_p > 0.0 for p in random_params):
         fields["min_p"] = _column(params, "min_p", 0.0, torch.float32, device)
     return fields
-
-
-def _to(ids: np.ndarray, device: torch.device | str) -> Tensor:
-    return torch.from_numpy(ids).to(device)
 
 
 def _min_tokens_pairs(
@@ -205,10 +204,8 @@ def _min_tokens_pairs(
                 ids.append(t)
     if not rows:
         return None
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(ids, dtype=torch.int64, device=device),
-    )
+    pairs = to_device([rows, ids], torch.int64, device)
+    return pairs[0], pairs[1]
 
 
 @dataclass
@@ -220,12 +217,37 @@ class SamplerOutput:
     # (sampled logprob, its rank, top-n ids, top-n logprobs) when any row asked for logprobs.
     logprob_tensors: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
     num_logprobs: list[int | None] | None = None
+    _host: list[Tensor] | None = None  # what the host reads, copied by `to_host`
+    _copied: torch.cuda.Event | None = None
+
+    def to_host(self) -> None:
+        """Queue the copies of what the host will read (ids and bad rows in one tensor, then
+        logprobs) right behind the sampler. Read later, they wait for this step only, not for
+        work queued after it (the next step, with async scheduling)."""
+        tensors = [torch.stack((self.sampled, self.bad_mask.to(self.sampled.dtype)))]
+        tensors += self.logprob_tensors or ()
+        if self.sampled.device.type != "cuda":
+            self._host = tensors
+            return
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, tensor in zip(self._host, tensors, strict=True):
+            host.copy_(tensor, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def _read(self) -> list[Tensor]:
+        if self._host is None:
+            self.to_host()
+        if self._copied is not None:
+            self._copied.synchronize()
+        assert self._host is not None
+        return self._host
 
     @cached_property
     def _on_host(self) -> tuple[list[int], list[int]]:
-        """(sampled ids, bad rows) in one device -> host copy: one wait for the device per
-        step, not two (`nonzero` would wait on its own)."""
-        ids, bad = torch.stack((self.sampled, self.bad_mask.to(self.sampled.dtype))).tolist()
+        """(sampled ids, bad rows): one wait for the device per step, not two (`nonzero` on
+        the device would wait on its own)."""
+        ids, bad = self._read()[0].tolist()
         return ids, [row for row, flag in enumerate(bad) if flag]
 
     @property
@@ -243,7 +265,7 @@ class SamplerOutput:
         """Per row: logprobs of the raw logits, only for rows whose params ask for them."""
         if self.logprob_tensors is None or self.num_logprobs is None:
             return None
-        own, rank, top_ids, top_lps = (t.tolist() for t in self.logprob_tensors)
+        own, rank, top_ids, top_lps = (t.tolist() for t in self._read()[1:])
         token_ids = self.token_ids
         return [
             None
