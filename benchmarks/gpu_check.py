@@ -57,11 +57,13 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -361,8 +363,10 @@ def section_kernel(args, device: str, report: dict) -> None:
 
 def check_small_ops(device: str, smoke: bool) -> list[dict]:
     """The fused small ops (model/triton_kernels.py) against torch's ops on fresh random inputs
-    of the models' shapes: at most 1 bf16 step apart (they round where torch rounds), at most 8
-    float32 steps (sums in another order)."""
+    of the models' shapes: at most 1 bf16 step apart and >= 99 % equal (they round where torch
+    rounds), at most 8 float32 steps (sums in another order). RMSNorm may be 2 bf16 steps off:
+    its sum of squares is added in another order, which can move the normalised value by a
+    step before the bf16 product with the weight rounds again."""
     from kvflow.model import triton_kernels as fused
 
     tokens = [1, 3] if smoke else [1, 256]
@@ -398,13 +402,18 @@ def check_small_ops(device: str, smoke: bool) -> list[dict]:
             }
             for name, (got, want) in pairs.items():
                 ulps = int((got.view(bits).long() - want.view(bits).long()).abs().max())
+                equal = float((got == want).float().mean())
+                bf16 = dtype == torch.bfloat16
+                allowed = limit + (bf16 and name == "rms_norm+residual")
                 rows.append(
                     dict(
                         name=f"{name}-t{t}",
                         dtype=str(dtype).removeprefix("torch."),
                         max_ulps=ulps,
-                        equal_frac=float((got == want).float().mean()),
-                        ok=ulps <= limit and bool(got.isfinite().all()),
+                        equal_frac=equal,
+                        ok=ulps <= allowed
+                        and (not bf16 or equal >= 0.99)
+                        and bool(got.isfinite().all()),
                     )
                 )
     return rows
@@ -637,7 +646,11 @@ def attach_padded_path(llm: LLM) -> str:
     return "padded eager (no CUDA)"
 
 
-def section_parity_and_timing(args, device: str, report: dict, workdir: Path) -> None:
+def section_parity_and_timing(
+    args, device: str, report: dict, workdir: Path, save: Callable[[], None]
+) -> None:
+    """(b) and (c) per model; the report is saved after each model and each timing row, so a
+    run cut short keeps what it did."""
     shapes = SMOKE_SHAPES if args.smoke else FULL_SHAPES
     report.setdefault("parity", [])
     report.setdefault("timing", [])
@@ -646,15 +659,20 @@ def section_parity_and_timing(args, device: str, report: dict, workdir: Path) ->
             continue
         parity: dict[str, Any] = {"model": name, "ok": False}
         report["parity"].append(parity)
+        if time.monotonic() - START > args.budget_s:
+            parity["skipped"] = "time budget"
+            log(f"{name}: skipped (past --budget-s)")
+            continue
         try:  # one model's failure must not cost the other's results
-            check_model(args, device, index, name, shape, workdir, parity, report)
+            check_model(args, device, index, name, shape, workdir, parity, report, save)
         except Exception:
             parity["error"] = traceback.format_exc()
             log(f"{name}: ERROR\n{parity['error']}")
         free_memory()
+        save()
 
 
-def check_model(args, device, index, name, shape, workdir, parity, report) -> None:
+def check_model(args, device, index, name, shape, workdir, parity, report, save) -> None:
     """(b) for one model shape, then (c) on its bfloat16 engine."""
     new_tokens = 4 if args.smoke else 16
     lengths = [7, 17] if args.smoke else [7, 33, 64, 130]
@@ -727,10 +745,11 @@ def check_model(args, device, index, name, shape, workdir, parity, report) -> No
         f"{parity['bf16_greedy_first_divergence']}"
     )
     del oracle, hf_rows, kv_rows
+    save()
     if args.skip_timing:
         return
     try:  # timings inform; a failure here is reported but fails no check
-        timing_rows(args, device, name, llm, hf, report)
+        timing_rows(args, device, name, llm, hf, report, save)
     except Exception:
         report["timing"].append({"model": name, "error": traceback.format_exc()})
         log(f"timing {name}: ERROR\n{report['timing'][-1]['error']}")
@@ -903,7 +922,9 @@ def hf_prefill_tps(hf, num: int, length: int, device: str, seed: int) -> float:
     return num * length / (time.perf_counter() - t0)
 
 
-def timing_rows(args, device: str, name: str, llm: LLM, hf, report: dict) -> None:
+def timing_rows(
+    args, device: str, name: str, llm: LLM, hf, report: dict, save: Callable[[], None]
+) -> None:
     smoke = args.smoke
     batches = [1, 4] if smoke else [1, 8, 64, 256]
     prompt_len, warm, steps = (8, 1, 3) if smoke else (128, 3, 20)
@@ -955,6 +976,7 @@ def timing_rows(args, device: str, name: str, llm: LLM, hf, report: dict) -> Non
         row["transformers"] = hf_decode_ms(hf, batch, prompt_len, steps, device, seed=10 * i + 2)
         row["kvflow_graphs_tok_s"] = 1e3 * batch / row["kvflow_graphs"]
         report["timing"].append(row)
+        save()
         log(
             f"timing {name} batch {batch}: graphs {row['kvflow_graphs']:.2f} ms, eager "
             f"{row['kvflow_eager']:.2f} ms, transformers {row['transformers']:.2f} ms, "
@@ -1048,12 +1070,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
 
+    def stopped(signum: int, _frame: Any) -> None:  # `timeout` ran out: keep what was done
+        report["stopped_by_signal"] = signum
+        save()
+        print(markdown_table(report), flush=True)
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, stopped)
+
     if not args.skip_kernel:
         section_kernel(args, device, report)
         save()
     if not args.skip_parity:
         with tempfile.TemporaryDirectory(prefix="kvflow-gpu-check-") as tmp:
-            section_parity_and_timing(args, device, report, Path(tmp))
+            section_parity_and_timing(args, device, report, Path(tmp), save)
         save()
     table = markdown_table(report)
     report["table"] = table

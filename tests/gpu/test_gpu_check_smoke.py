@@ -4,10 +4,13 @@ and a full timing table, in its output and in the JSON it writes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
@@ -42,3 +45,25 @@ def test_smoke_run(tmp_path) -> None:
     assert report["copy_bandwidth_gbs"] > 0
     assert report["table"] in proc.stdout
     assert len(report["table"].splitlines()) == 2 + 6  # header + 2 x (2 decode + 1 prefill)
+
+
+def test_a_run_cut_short_by_sigterm_keeps_what_it_did(tmp_path) -> None:
+    """`timeout` ends a run that overran with SIGTERM: the report written so far stays, with
+    every finished model, and the partial table is printed."""
+    out = tmp_path / "report.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", KVFLOW_NATIVE="0")
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--skip-kernel", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and proc.poll() is None:  # the first model is saved
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):  # mid-write
+            if json.loads(out.read_text()).get("parity"):
+                break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 124
+    report = json.loads(out.read_text())
+    assert report["stopped_by_signal"] == signal.SIGTERM
+    assert report["parity"][0]["model"] == "smollm2-shape" and report["parity"][0]["ok"]
+    assert "| model |" in stdout

@@ -95,9 +95,11 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
     if tokens:
         block_h = min(triton.next_power_of_2(heads), 16)
+        # No fused multiply-add: it would skip the rounding of each product (sm_90 turns
+        # them into bf16 FMAs), and 23 % of outputs would differ from torch's.
         _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
             x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0),
-            HALF=dim // 2, BLOCK_H=block_h,
+            HALF=dim // 2, BLOCK_H=block_h, enable_fp_fusion=False,
         )  # fmt: skip
     return x
 
@@ -110,8 +112,14 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, stride_in, stride_out, BLOCK: 
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + inner + cols, mask=ok, other=0.0)
     dtype = gate.dtype
+    # torch's float32 steps, each rounded as IEEE float32 rounds: exp, 1 + e, the division.
+    # On NVIDIA a float32 tl.exp is ex2.approx of a rounded argument and `/` is div.full (up
+    # to ~14 ulps off), so exp and the division go through float64 and are rounded back; exp
+    # still overflows to inf where float32's does (silu(-100) = -0, as torch gives).
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    e = tl.exp(-g.to(tl.float64)).to(tl.float32)
+    act = (g.to(tl.float64) / (1.0 + e).to(tl.float64)).to(tl.float32)
+    act = act.to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(dtype), mask=ok)
 
 
