@@ -282,6 +282,55 @@ def test_async_scheduling_never_gives_a_stale_token_to_a_reused_request_id(llm):
     assert tokens == llm.generate(prompt, second)[0].outputs[0].token_ids
 
 
+def test_prompt_logprobs_equal_transformers_through_chunks_preemption_and_async(model_dir):
+    """Every prompt token's logprob (the first has none) and its top-n, as transformers'
+    log-softmax gives them: with a 16-token budget (positions spread over chunks), in a pool
+    that preempts (recomputed positions reported once), with async scheduling, for n = 2 and
+    for a repeated prompt (prefix-cache hits would skip its positions: it is not read)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = PROMPTS[:4]
+    want = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tok.encode(prompt)
+            logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+            want.append([(ids[i], logprobs[i - 1]) for i in range(1, len(ids))])
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=3, n=1 + (i == 2))
+        for i in range(len(prompts))
+    ]
+    engines = {
+        "chunked": LLM(None, dtype="float32", max_num_batched_tokens=16),
+        "preempting": LLM(
+            None,
+            dtype="float32",
+            num_blocks=12,
+            block_size=8,
+            max_num_seqs=8,
+            max_num_batched_tokens=16,  # preempted mid-prompt too
+        ),
+        "async": LLM(None, dtype="float32", max_num_batched_tokens=16, async_scheduling=True),
+    }
+    for name, engine in engines.items():
+        for _ in range(2):
+            outs = engine.generate(prompts, params)
+            for out, expected in zip(outs, want, strict=True):
+                entries = out.prompt_logprobs
+                assert entries[0] is None and len(entries) == len(expected) + 1, name
+                for entry, (token, row) in zip(entries[1:], expected, strict=True):
+                    assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+                    assert entry[token].rank == int((row > row[token]).sum()) + 1
+                    top = row.topk(3).indices.tolist()
+                    assert set(entry) == {token, *top}
+                    assert [entry[t].rank for t in top] == [1, 2, 3]
+        stats = engine.engine.stats()
+        assert stats.kv_cache_usage == 0.0 and stats.prefix_cache_hits == 0, name
+    assert engines["preempting"].engine.stats().num_preemptions_total > 0
+
+
 def test_chat_uses_the_template(llm):
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],

@@ -68,6 +68,70 @@ def test_echo_prepends_the_prompt(client):
     assert ids.choices[0].text == CAPITAL + " Paris."
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, client):
+    """What log-likelihood evaluations (lm-eval's completions API) send: echo + logprobs. The
+    prompt's tokens come first, the first without a logprob; the rest are the model's log-
+    softmax at the previous position (transformers, float32, within bfloat16 rounding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvflow.model.loader import resolve_model
+
+    prompt = CAPITAL + " Paris, and the capital of Italy is Rome"
+    ids = server.post("/tokenize", {"prompt": prompt, "add_special_tokens": True}).json()["tokens"]
+    out = greedy(client, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    n = len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert "".join(lp.tokens) == choice.text and choice.text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 1)]
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32)
+    with torch.inference_mode():
+        logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = [logprobs[i - 1, ids[i]].item() for i in range(1, n)]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:n], want, strict=True)) < 0.15
+    for token, value, top in zip(
+        lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True
+    ):
+        assert token in top and top[token] == value and len(top) <= 2
+    # vLLM's prompt_logprobs field: one entry per prompt token, keyed by token id
+    entries = choice.model_extra["prompt_logprobs"]
+    assert len(entries) == n and entries[0] is None
+    for i, entry in enumerate(entries[1:], 1):
+        own = entry[str(ids[i])]
+        assert own["logprob"] == lp.token_logprobs[i] and own["rank"] >= 1
+        assert own["decoded_token"] == lp.tokens[i]
+    stream = greedy(client, prompt=prompt, max_tokens=1, echo=True, logprobs=1, stream=True)
+    streamed = [
+        t
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert streamed == lp.tokens
+
+
+def test_prompt_logprobs_on_both_endpoints_and_refused_when_streaming(server, client):
+    body = {"prompt": CAPITAL, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3}
+    entries = server.post("/v1/completions", body).json()["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(CAPITAL_IDS) and entries[0] is None
+    assert all(
+        1 <= len(e) <= 4 and str(t) in e for e, t in zip(entries[1:], CAPITAL_IDS[1:], strict=True)
+    )
+    chat = server.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()
+    prompt_tokens = chat["usage"]["prompt_tokens"]
+    assert len(chat["prompt_logprobs"]) == prompt_tokens and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # 0: the token's own only
+    refused = server.post("/v1/completions", {**body, "stream": True})
+    assert refused.status_code == 400
+    assert "not available when `stream=True`" in refused.json()["error"]["message"]
+
+
 def test_logprobs_in_the_completions_format(client):
     out = greedy(client, max_tokens=4, logprobs=2)
     choice = out.choices[0]

@@ -43,7 +43,7 @@ class KVCacheManager:
         Never covers the last token: it is recomputed so the step produces logits. Returns the
         blocks (not yet referenced: pass them to `allocate_slots`) and the tokens they cover.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

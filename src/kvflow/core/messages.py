@@ -62,6 +62,8 @@ class ModelRunnerOutput:
     # req_id -> sampled token ids this step (empty list while a prompt is still being chunked).
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> logprobs of the prompt tokens this step's positions predict (next in order)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> message, for requests whose step failed alone (e.g. non-finite logits).
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -71,6 +73,7 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None  # the next prompt tokens' logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

@@ -65,6 +65,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
     ignore_eos: bool = False
+    # prompt logprobs need the logits of every prompt token: no prefix-cache hits (vLLM's name)
+    skip_reading_prefix_cache: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

@@ -207,15 +207,17 @@ class Scheduler:
                 new_ids.append(token)
                 if self._check_stop(req, token):
                     break
-            if not new_ids:
+            prompt_logprobs = result.prompt_logprobs.get(req_id)
+            if not new_ids and not prompt_logprobs:
                 continue
             out = EngineCoreOutput(
                 req_id,
                 new_ids,
                 result.logprobs.get(req_id),
+                prompt_logprobs,
                 num_cached_tokens=req.num_cached_tokens,
             )
-            if req.num_output_tokens == len(new_ids):
+            if new_ids and req.num_output_tokens == len(new_ids):
                 out.first_scheduled_time = req.first_scheduled_time
             if req.is_finished:
                 self._free(req)

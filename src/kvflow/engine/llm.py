@@ -113,6 +113,8 @@ class LLM:
                 )
                 for c in delta.outputs:
                     _merge(acc, c)
+                if delta.prompt_logprobs is not None:
+                    acc.prompt_logprobs = delta.prompt_logprobs
                 acc.finished = delta.finished
                 acc.metrics.update(delta.metrics)
                 if delta.finished:

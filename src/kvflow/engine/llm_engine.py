@@ -140,6 +140,7 @@ class LLMEngine:
                     stop_token_ids=frozenset(params.stop_token_ids),
                     min_tokens=params.min_tokens,
                     ignore_eos=params.ignore_eos,
+                    skip_reading_prefix_cache=params.prompt_logprobs is not None,
                 )
             )
 

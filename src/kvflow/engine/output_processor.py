@@ -3,6 +3,7 @@ logprobs and the fan-in of n > 1 choices. Outputs are deltas: only what is new t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.core.messages import EngineCoreOutput, TokenLogprobs
@@ -31,6 +32,9 @@ class _Parent:
     prompt_token_ids: list[int]
     params: SamplingParams
     choices: dict[str, _Choice] = field(default_factory=dict)
+    # [None, then one entry per prompt token] while params.prompt_logprobs is set
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -53,6 +57,8 @@ class OutputProcessor:
     ) -> list[str]:
         """Track a request; returns the child ids to add to the core."""
         parent = _Parent(request_id, prompt, prompt_token_ids, params)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         for i, child_id in enumerate(child_request_ids(request_id, params.n)):
             detok = None
             if params.detokenize:
@@ -88,6 +94,11 @@ class OutputProcessor:
             choice = parent.choices[out.req_id]
             if choice.finish_reason is not None:
                 continue  # already ended by a stop string; this is the core catching up
+            if out.new_prompt_logprobs and parent.prompt_logprobs is not None and not choice.index:
+                decode = choice.detok.decode_token if choice.detok else None
+                parent.prompt_logprobs += [_entry(lp, decode) for lp in out.new_prompt_logprobs]
+            if not out.new_token_ids and not out.finished:
+                continue  # a prompt chunk's logprobs: they go out with the first token
             completion = self._update_choice(parent, choice, out)
             if completion.finish_reason == "stop" and out.finish_reason is None:
                 stopped.append(out.req_id)  # a stop string ended it; the core does not know yet
@@ -110,6 +121,11 @@ class OutputProcessor:
         for ro in deltas.values():
             parent = self._parents[ro.request_id]
             ro.finished = parent.finished
+            complete = parent.prompt_logprobs is not None and len(parent.prompt_logprobs) == len(
+                parent.prompt_token_ids
+            )
+            if complete and not parent.prompt_logprobs_sent:
+                ro.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
             if ro.finished:
                 self._drop(parent)
         return list(deltas.values()), stopped
@@ -143,14 +159,18 @@ class OutputProcessor:
 
     def _logprob_entry(self, choice: _Choice, lp: TokenLogprobs) -> dict[int, Logprob]:
         choice.cumulative_logprob += lp.logprob
-        decode = choice.detok.decode_token if choice.detok else (lambda t: None)
-        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
-        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
-            if tid not in entry:
-                entry[tid] = Logprob(value, rank, decode(tid))
-        return entry
+        return _entry(lp, choice.detok.decode_token if choice.detok else None)
 
     def _drop(self, parent: _Parent) -> None:
         self._parents.pop(parent.request_id, None)
         for child_id in parent.choices:
             self._child_to_parent.pop(child_id, None)
+
+
+def _entry(lp: TokenLogprobs, decode: Callable[[int], str] | None) -> dict[int, Logprob]:
+    """vLLM's logprobs entry: the token's own Logprob, then the top-n not already in it."""
+    entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id) if decode else None)}
+    for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+        if tid not in entry:
+            entry[tid] = Logprob(value, rank, decode(tid) if decode else None)
+    return entry

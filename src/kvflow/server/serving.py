@@ -171,14 +171,20 @@ class BaseServing:
     # ---- building requests -------------------------------------------------------------------
 
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if req.use_beam_search:
             raise ServingError("Beam search is not supported.", param="use_beam_search")
         if req.logit_bias:
             raise ServingError("logit_bias is not supported.", param="logit_bias")
-        if req.prompt_logprobs is not None:
-            raise ServingError("prompt_logprobs is not supported.", param="prompt_logprobs")
+        if req.prompt_logprobs and req.stream:  # vLLM's rule and wording (0 is allowed)
+            raise ServingError(
+                "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+            )
         if req.stream_options is not None and not req.stream:
             raise ServingError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
@@ -203,6 +209,7 @@ class BaseServing:
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -378,3 +385,20 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def clamp_prompt_logprobs(
+    entries: list[dict[int, Logprob] | None] | None,
+) -> list[dict[int, Logprob] | None] | None:
+    """A response's `prompt_logprobs` (JSON has no -inf): vLLM's shape, values clamped."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            t: Logprob(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token)
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]

@@ -28,6 +28,7 @@ from kvflow.server.serving import (
     Prompt,
     ServingError,
     clamp_logprob,
+    clamp_prompt_logprobs,
     sse,
     usage,
 )
@@ -107,6 +108,7 @@ class _ChatRun:
         self.created = now()
         self.prompt = prompt
         self.choices = {i: ChoiceState() for i in range(req.n)}
+        self.prompt_logprobs: list | None = None
 
     def _logprobs(self, pairs: list) -> ChatCompletionLogProbs | None:
         if not self.req.logprobs:
@@ -115,6 +117,8 @@ class _ChatRun:
 
     async def collect(self, results: AsyncIterator) -> ChatCompletionResponse:
         async for _, output in results:
+            if output.prompt_logprobs is not None:
+                self.prompt_logprobs = output.prompt_logprobs
             for delta in output.outputs:
                 self.choices[delta.index].add(delta)
         choices = [
@@ -133,6 +137,7 @@ class _ChatRun:
             model=self.serving.model_name,
             choices=choices,
             usage=usage([self.prompt], self.choices),
+            prompt_logprobs=clamp_prompt_logprobs(self.prompt_logprobs),
         )
 
     async def stream(self, results: AsyncIterator) -> AsyncIterator[str]:

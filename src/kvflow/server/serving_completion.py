@@ -1,11 +1,12 @@
-"""POST /v1/completions: prompts (text, token ids, or lists of either), echo, logprobs, n, SSE."""
+"""POST /v1/completions: prompts (text, token ids, or lists of either), echo, logprobs (of the
+prompt too, with echo: what log-likelihood evaluations read), n, SSE."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 
-from kvflow.outputs import CompletionOutput, Logprob
+from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.protocol import (
     CompletionLogProbs,
@@ -26,6 +27,7 @@ from kvflow.server.serving import (
     Prompt,
     ServingError,
     clamp_logprob,
+    clamp_prompt_logprobs,
     sse,
     usage,
 )
@@ -42,15 +44,19 @@ class CompletionLogprobsBuilder:
         self.serving = serving
         self.offset = initial_offset
 
-    def build(self, pairs: list[tuple[int, dict[int, Logprob]]]) -> CompletionLogProbs:
-        out = CompletionLogProbs()
+    def build(self, pairs: list[tuple[int, dict[int, Logprob] | None]]) -> CompletionLogProbs:
+        """Entries may be None (the prompt's first token has no logprob). The fields are set
+        explicitly: streamed chunks are dumped with exclude_unset, which drops defaults."""
+        out = CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
         for token_id, entry in pairs:
-            sampled = entry.get(token_id)
+            sampled = entry.get(token_id) if entry is not None else None
             text = self.serving.token_text(token_id, sampled)
             out.tokens.append(text)
             out.token_logprobs.append(clamp_logprob(sampled.logprob) if sampled else None)
             out.top_logprobs.append(
-                {
+                None
+                if entry is None
+                else {
                     self.serving.token_text(tid, lp): clamp_logprob(lp.logprob)
                     for tid, lp in entry.items()
                 }
@@ -67,11 +73,6 @@ class CompletionServing(BaseServing):
         self.check_model(req.model)
         if req.suffix is not None:
             raise ServingError("suffix is not currently supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise ServingError(
-                "echo with logprobs is not supported (prompt logprobs are not computed).",
-                param="echo",
-            )
         prompts = self._prompts(req)
         params = [self._params(req, p) for p in prompts]
         request_id = random_id("cmpl")
@@ -104,7 +105,10 @@ class CompletionServing(BaseServing):
             # The default never makes a request fail: clamp it to the rest of the context.
             room = self.max_model_len - len(prompt.token_ids)
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
-        return self.sampling_params(req, max_tokens, req.logprobs)
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo:
+            prompt_logprobs = req.logprobs  # echoed prompt tokens come with their logprobs
+        return self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
 
     def prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is None:
@@ -125,29 +129,42 @@ class _Run:
         self.prompts = prompts
         self.choices: dict[int, ChoiceState] = {}
         self.builders: dict[int, CompletionLogprobsBuilder] = {}
+        self.prompt_logprobs: dict[int, list] = {}  # prompt i -> its prompt logprobs, once known
+
+    def _outputs(self, i: int, output: RequestOutput) -> list[CompletionOutput]:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = output.prompt_logprobs
+        return output.outputs
 
     def _fold(self, i: int, delta: CompletionOutput) -> tuple[int, str, CompletionLogProbs | None]:
-        """Fold a delta into its choice; returns (choice index, new text, new logprobs)."""
+        """Fold a delta into its choice; returns (choice index, new text, new logprobs). With
+        echo the choice's first delta starts with the prompt (and its tokens' logprobs)."""
         key = i * self.req.n + delta.index
         state = self.choices.get(key)
-        prefix = ""
+        prefix, echoed = "", []
         if state is None:
             state = self.choices[key] = ChoiceState()
+            offset = 0
             if self.req.echo:
                 prefix = self.serving.prompt_text(self.prompts[i])
-            self.builders[key] = CompletionLogprobsBuilder(self.serving, len(prefix))
+                entries = self.prompt_logprobs.get(i)
+                if entries is None:  # ended before its prompt was computed
+                    offset = len(prefix)
+                else:
+                    echoed = list(zip(self.prompts[i].token_ids, entries, strict=True))
+            self.builders[key] = CompletionLogprobsBuilder(self.serving, offset)
         pairs = state.add(delta)
         if prefix:
             state.text.insert(0, prefix)
         logprobs = None
         if self.req.logprobs is not None:
-            logprobs = self.builders[key].build(pairs)
+            logprobs = self.builders[key].build(echoed + pairs)
         return key, prefix + delta.text, logprobs
 
     async def collect(self, results: AsyncIterator) -> CompletionResponse:
         logprobs: dict[int, CompletionLogProbs] = {}
         async for i, output in results:
-            for delta in output.outputs:
+            for delta in self._outputs(i, output):
                 key, _, lp = self._fold(i, delta)
                 if lp is not None:
                     acc = logprobs.setdefault(key, CompletionLogProbs())
@@ -160,6 +177,7 @@ class _Run:
                 logprobs=logprobs.get(key) if self.req.logprobs is not None else None,
                 finish_reason=state.finish_reason,
                 stop_reason=state.stop_reason,
+                prompt_logprobs=clamp_prompt_logprobs(self.prompt_logprobs.get(key // self.req.n)),
             )
             for key, state in sorted(self.choices.items())
         ]
@@ -177,7 +195,7 @@ class _Run:
         continuous = include_usage and bool(options and options.continuous_usage_stats)
         try:
             async for i, output in results:
-                for delta in output.outputs:
+                for delta in self._outputs(i, output):
                     chunk = self._chunk(i, delta)
                     if chunk is None:
                         continue

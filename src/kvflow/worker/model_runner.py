@@ -21,7 +21,9 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.transfer import to_device
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.input_rows import InputRows
-from kvflow.worker.sampler import SamplerOutput, SamplingMetadata, sample
+from kvflow.worker.sampler import SamplerOutput, SamplingMetadata, compute_logprobs, sample
+
+_PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose logits are materialised at once
 
 
 @dataclass
@@ -34,6 +36,7 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None
     row: int
+    num_prompt_logprobs: int = 0  # prompt positions whose next-token logprobs were computed
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class ModelRunner:
         # (the CPU, --enforce-eager): every step is one eager forward.
         self.decode_graphs = decode_graphs
         self._in_flight: _Sampled | None = None  # the latest launch's ids, until its wait
+        self._prompt_logprobs_due: set[str] = set()  # requests still owed prompt logprobs
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         rows = self.rows
@@ -79,6 +83,7 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None and state.row >= 0:
                 rows.remove(state.row)
+            self._prompt_logprobs_due.discard(req_id)
         for req_id in sched.preempted_req_ids:
             state = self.requests.get(req_id)
             if state is not None and state.row >= 0:
@@ -96,6 +101,8 @@ class ModelRunner:
                     gen = torch.Generator(device=self.device)
                     gen.manual_seed(params.seed)
                 self.requests[new.req_id] = CachedRequestState(params, gen, row)
+                if params.prompt_logprobs is not None:
+                    self._prompt_logprobs_due.add(new.req_id)
             else:
                 state.row = row
         for cached in sched.cached_reqs:
@@ -162,11 +169,81 @@ class ModelRunner:
                 ids, to_device(positions, torch.int64, self.device), self.kv_caches, meta
             )
         rows.num_computed[index] = ends
+        prompt_logprobs = {}
+        if self._prompt_logprobs_due:
+            prompt_logprobs = self._prompt_logprobs(req_ids, index, q_lens, computed, hidden)
         if not sample_ids:
             self._in_flight = None
-            return lambda: ModelRunnerOutput({})
+            return lambda: ModelRunnerOutput({}, prompt_logprobs=self._live(prompt_logprobs))
         logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        return self._sample(logits, sample_ids, sample_states, sampling)
+        return self._sample(logits, sample_ids, sample_states, sampling, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        index: np.ndarray,
+        q_lens: np.ndarray,
+        computed: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> dict[str, tuple[CachedRequestState, list[TokenLogprobs]]]:
+        """Logprobs of the prompt tokens that this step's positions predict (position p: token
+        p + 1), for the requests that ask for them, each position once even across preemption.
+        Read back now, so such a step waits for the device: they are rare."""
+        starts = np.cumsum(q_lens) - q_lens
+        spans: list[tuple[str, CachedRequestState, int, int]] = []  # req, state, first, end
+        hidden_rows: list[np.ndarray] = []
+        targets: list[np.ndarray] = []
+        for b, req_id in enumerate(req_ids):
+            if req_id not in self._prompt_logprobs_due:
+                continue
+            state, row = self.requests[req_id], index[b]
+            last = int(self.rows.prompt_len[row]) - 1  # the last prompt position predicts output
+            first = state.num_prompt_logprobs
+            end = min(int(computed[b] + q_lens[b]), last)
+            if end >= last:
+                self._prompt_logprobs_due.discard(req_id)
+            if first >= end:
+                continue
+            hidden_rows.append(starts[b] + np.arange(first, end) - computed[b])
+            targets.append(self.rows.token_ids[row, first + 1 : end + 1].astype(np.int64))
+            spans.append((req_id, state, first, end))
+            state.num_prompt_logprobs = end
+        if not spans:
+            return {}
+        at = to_device(np.concatenate(hidden_rows), torch.int64, self.device)
+        token_ids = np.concatenate(targets)
+        target = to_device(token_ids, torch.int64, self.device)
+        top = max(state.params.prompt_logprobs for _, state, _, _ in spans)
+        own, rank, top_ids, top_lps = [], [], [], []
+        for i in range(0, len(at), _PROMPT_LOGPROBS_CHUNK):  # [rows, vocab] floats at a time
+            chunk = slice(i, i + _PROMPT_LOGPROBS_CHUNK)
+            logits = self.model.compute_logits(hidden[at[chunk]])
+            for acc, part in zip(
+                (own, rank, top_ids, top_lps),
+                compute_logprobs(logits, target[chunk], top),
+                strict=True,
+            ):
+                acc.extend(part.tolist())
+        out, i = {}, 0
+        for req_id, state, first, end in spans:
+            n = state.params.prompt_logprobs
+            out[req_id] = (
+                state,
+                [
+                    TokenLogprobs(
+                        int(token_ids[j]), own[j], rank[j], top_ids[j][:n], top_lps[j][:n]
+                    )
+                    for j in range(i, i + end - first)
+                ],
+            )
+            i += end - first
+        return out
+
+    def _live(
+        self, prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]]
+    ) -> dict[str, list[TokenLogprobs]]:
+        """Those of requests that have not ended since the launch."""
+        return {r: e for r, (s, e) in prompt_logprobs.items() if self.requests.get(r) is s}
 
     def _feed_from_device(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The requests (positions b in `index`) whose newest token the in-flight step is
@@ -229,6 +306,7 @@ class ModelRunner:
         req_ids: list[str],
         states: list[CachedRequestState],
         meta: SamplingMetadata,
+        prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]],
     ) -> Callable[[], ModelRunnerOutput]:
         """Queue the sampler on `logits` (row i for req_ids[i]) and append placeholders for
         its ids; the returned call reads them (the step's first device -> host copy)."""
@@ -238,10 +316,14 @@ class ModelRunner:
         positions = self.rows.append_tokens(rows)
         launched = _Sampled(out.sampled, states, rows, self.rows.epoch[rows], positions)
         self._in_flight = launched
-        return lambda: self._take(out, req_ids, launched)
+        return lambda: self._take(out, req_ids, launched, prompt_logprobs)
 
     def _take(
-        self, out: SamplerOutput, req_ids: list[str], launched: _Sampled
+        self,
+        out: SamplerOutput,
+        req_ids: list[str],
+        launched: _Sampled,
+        prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]],
     ) -> ModelRunnerOutput:
         """The step's tokens into the rows (those not freed since the launch) and the output
         (requests not ended since: a preempted one keeps its token)."""
@@ -263,4 +345,4 @@ class ModelRunner:
             sampled[req_id] = [token_ids[i]]
             if out.logprobs is not None and out.logprobs[i] is not None:
                 logprobs[req_id] = [out.logprobs[i]]
-        return ModelRunnerOutput(sampled, logprobs, failed)
+        return ModelRunnerOutput(sampled, logprobs, self._live(prompt_logprobs), failed)
