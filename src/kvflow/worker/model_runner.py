@@ -204,6 +204,8 @@ class ModelRunner:
                 self._prompt_logprobs_due.discard(req_id)
             if first >= end:
                 continue
+            if first < computed[b]:  # positions skipped (a prefix hit): entries would shift
+                raise RuntimeError(f"{req_id}: prompt logprobs from {first}, step at {computed[b]}")
             hidden_rows.append(starts[b] + np.arange(first, end) - computed[b])
             targets.append(self.rows.token_ids[row, first + 1 : end + 1].astype(np.int64))
             spans.append((req_id, state, first, end))
