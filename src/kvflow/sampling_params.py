@@ -31,6 +31,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # token id -> added to its logit before penalties; clamped to [-100, 100] as vLLM does
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -46,6 +48,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0 if self.top_k is None or self.top_k == -1 else self.top_k
+        if self.logit_bias:
+            self.logit_bias = _logit_bias(self.logit_bias)
         self.validate()
 
     @property
@@ -98,3 +102,19 @@ class SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _logit_bias(bias: dict) -> dict[int, float]:
+    """Keys as token ids (JSON gives strings), values clamped to [-100, 100]."""
+    bad = []
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        try:
+            out[int(token)] = min(100.0, max(-100.0, float(value)))
+        except (TypeError, ValueError):
+            bad.append(token)
+    if bad:
+        raise ValueError(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}"
+        )
+    return out

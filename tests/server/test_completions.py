@@ -132,6 +132,23 @@ def test_prompt_logprobs_on_both_endpoints_and_refused_when_streaming(server, cl
     assert "not available when `stream=True`" in refused.json()["error"]["message"]
 
 
+def test_logit_bias_steers_sampling_and_bad_keys_are_refused(server, client):
+    def token(text: str) -> int:
+        body = {"prompt": text, "add_special_tokens": False}
+        (token_id,) = server.post("/tokenize", body).json()["tokens"]
+        return token_id
+
+    assert greedy(client, max_tokens=1).choices[0].text == " Paris"
+    forced = greedy(client, max_tokens=1, logit_bias={str(token(" Rome")): 100})
+    assert forced.choices[0].text == " Rome"
+    banned = greedy(client, max_tokens=1, logit_bias={str(token(" Paris")): -100})
+    assert banned.choices[0].text != " Paris"
+    for bias, message in (({"49152": 1}, "out-of-vocab"), ({"x": 1}, "cannot be converted")):
+        body = {"prompt": CAPITAL, "max_tokens": 1, "logit_bias": bias}
+        refused = server.post("/v1/completions", body)
+        assert refused.status_code == 400 and message in refused.json()["error"]["message"]
+
+
 def test_logprobs_in_the_completions_format(client):
     out = greedy(client, max_tokens=4, logprobs=2)
     choice = out.choices[0]

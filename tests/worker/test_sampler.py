@@ -143,6 +143,25 @@ def test_penalties_change_greedy_choice() -> None:
     assert sample(logits, meta).sampled.tolist() == [1]
 
 
+def test_logit_bias_comes_before_the_repetition_penalty_and_leaves_logprobs_raw() -> None:
+    """vLLM's order: the bias is added first, then the penalty scales the biased logit."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0], [2.0, 1.0, 0.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={"1": 2.0, 3: -500.0}, repetition_penalty=2.0),
+        SamplingParams(temperature=0.0, logprobs=1),
+    ]
+    assert params[0].logit_bias == {1: 2.0, 3: -100.0}  # ids from JSON strings; clamped
+    meta = build(params, [[1], [1]], [[], []], vocab=4)
+    got = apply_penalties(logits.clone(), meta)
+    assert torch.equal(got, torch.tensor([[2.0, 1.5, 0.0, -100.0], [2.0, 1.0, 0.0, 0.0]]))
+    plain = SamplingParams(temperature=0.0, logit_bias={2: 5.0}, logprobs=1)
+    out = sample(logits[:1], build([plain], vocab=4))
+    assert out.sampled.tolist() == [2]  # the bias moved the argmax
+    assert out.logprobs[0].logprob == pytest.approx(logits[0].log_softmax(-1)[2].item())
+    with pytest.raises(ValueError, match="cannot be converted to integer token IDs"):
+        SamplingParams(logit_bias={"x": 1.0})
+
+
 def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
     logits = torch.zeros(3, V)
     logits[:, EOS] = 10.0

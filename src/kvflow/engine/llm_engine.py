@@ -97,6 +97,13 @@ class LLMEngine:
         m, p = self.max_model_len, len(prompt_token_ids)
         if p == 0:
             raise ValueError("The prompt cannot be empty.")
+        if params.logit_bias:
+            vocab = len(self.tokenizer)
+            if bad := [t for t in params.logit_bias if not 0 <= t < vocab]:
+                raise ValueError(
+                    f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab}"
+                )
         if p >= m:
             raise ValueError(
                 f"This model's maximum context length is {m} tokens. However, your request has "

@@ -179,8 +179,6 @@ class BaseServing:
     ) -> SamplingParams:
         if req.use_beam_search:
             raise ServingError("Beam search is not supported.", param="use_beam_search")
-        if req.logit_bias:
-            raise ServingError("logit_bias is not supported.", param="logit_bias")
         if req.prompt_logprobs and req.stream:  # vLLM's rule and wording (0 is allowed)
             raise ServingError(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
@@ -210,6 +208,7 @@ class BaseServing:
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                logit_bias=req.logit_bias,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,

@@ -90,6 +90,8 @@ class SamplingMetadata:
     output_token_ids: Tensor | None
     # (rows, token ids): pairs whose logit is set to -inf (EOS / stop ids under min_tokens).
     min_tokens_mask: tuple[Tensor, Tensor] | None
+    # (rows, token ids, biases): added to those logits before the penalties (vLLM's order)
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None
     max_num_logprobs: int | None  # None when no row asks for logprobs
     num_logprobs: list[int | None]  # per row: params.logprobs
 
@@ -143,6 +145,7 @@ class SamplingMetadata:
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
             min_tokens_mask=_min_tokens_pairs(params, history, eos_token_id, vocab_size, device),
+            logit_bias=_logit_bias(params, device),
             max_num_logprobs=max(wanted) if wanted else None,
             num_logprobs=num_logprobs,
         )
@@ -178,6 +181,21 @@ def _random_fields(
     if any(p.min_p > 0.0 for p in random_params):
         fields["min_p"] = _column(params, "min_p", 0.0, torch.float32, device)
     return fields
+
+
+def _logit_bias(
+    params: list[SamplingParams], device: torch.device | str
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    if not any(p.logit_bias for p in params):
+        return None
+    rows, ids, biases = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            ids.append(token)
+            biases.append(bias)
+    pairs = to_device([rows, ids], torch.int64, device)
+    return pairs[0], pairs[1], to_device(biases, torch.float32, device)
 
 
 def _min_tokens_pairs(
@@ -287,7 +305,7 @@ def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
     # One sum per row: NaN or +-inf anywhere makes it non-finite (cheaper than isfinite().all()).
     bad_mask = ~logits.sum(dim=-1).isfinite()
     processed = logits
-    if meta.has_penalties or meta.min_tokens_mask is not None:
+    if meta.has_penalties or meta.min_tokens_mask is not None or meta.logit_bias is not None:
         processed = apply_penalties(logits.clone(), meta)
     if meta.all_greedy:
         sampled = processed.argmax(dim=-1)
@@ -305,11 +323,15 @@ def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
 
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """Repetition (prompt + output), then frequency and presence (output only), then min_tokens.
+    """Logit bias, then repetition (prompt + output), frequency and presence (output only)
+    penalties, then min_tokens.
 
     May modify `logits` in place; returns the penalised logits.
     """
     batch, vocab = logits.shape
+    if meta.logit_bias is not None:
+        rows, ids, biases = meta.logit_bias
+        logits.index_put_((rows, ids), biases, accumulate=True)
     if meta.has_penalties:
         assert meta.output_token_ids is not None
         counts = _token_counts(meta.output_token_ids, batch, vocab)
