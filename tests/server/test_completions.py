@@ -113,6 +113,19 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, clien
     assert streamed == lp.tokens
 
 
+def test_max_tokens_0_with_echo_returns_the_prompt_scored(server, client):
+    """The classic scoring request: echo, logprobs, max_tokens 0 (refused without echo)."""
+    out = greedy(client, max_tokens=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == CAPITAL and out.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(CAPITAL_IDS)
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(v < 0 for v in choice.logprobs.token_logprobs[1:])
+    body = {"prompt": CAPITAL, "max_tokens": 0}
+    refused = server.post("/v1/completions", body)
+    assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
+
+
 def test_prompt_logprobs_on_both_endpoints_and_refused_when_streaming(server, client):
     body = {"prompt": CAPITAL, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3}
     entries = server.post("/v1/completions", body).json()["choices"][0]["prompt_logprobs"]

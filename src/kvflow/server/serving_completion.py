@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -101,7 +102,9 @@ class CompletionServing(BaseServing):
 
     def _params(self, req: CompletionRequest, prompt: Prompt) -> SamplingParams:
         max_tokens = req.max_tokens
-        if "max_tokens" not in req.model_fields_set:
+        if req.echo and max_tokens == 0:
+            max_tokens = 1  # the prompt alone goes back (vLLM: the one token is dropped)
+        elif "max_tokens" not in req.model_fields_set:
             # The default never makes a request fail: clamp it to the rest of the context.
             room = self.max_model_len - len(prompt.token_ids)
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
@@ -130,6 +133,7 @@ class _Run:
         self.choices: dict[int, ChoiceState] = {}
         self.builders: dict[int, CompletionLogprobsBuilder] = {}
         self.prompt_logprobs: dict[int, list] = {}  # prompt i -> its prompt logprobs, once known
+        self.prompt_only = bool(req.echo) and req.max_tokens == 0  # scoring the prompt
 
     def _outputs(self, i: int, output: RequestOutput) -> list[CompletionOutput]:
         if output.prompt_logprobs is not None:
@@ -140,6 +144,8 @@ class _Run:
         """Fold a delta into its choice; returns (choice index, new text, new logprobs). With
         echo the choice's first delta starts with the prompt (and its tokens' logprobs)."""
         key = i * self.req.n + delta.index
+        if self.prompt_only:  # the engine's one token is not part of the answer
+            delta = replace(delta, text="", token_ids=[], logprobs=None)
         state = self.choices.get(key)
         prefix, echoed = "", []
         if state is None:
