@@ -851,8 +851,6 @@ def engine_decode_ms(llm: LLM, batch: int, prompt_len: int, warm: int, steps: in
             other_steps += engine.core.last_step_tokens != batch  # should stay 0
     device_ms = graph_device_ms(engine.core.runner.decode_graphs, batch)
     engine.abort_request(ids)
-    while engine.has_unfinished_requests():  # the step still in flight (async scheduling)
-        engine.step()
     return (
         1e3 * statistics.median(step_times),
         1e3 * statistics.median(timer.times),

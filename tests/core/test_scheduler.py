@@ -242,3 +242,18 @@ def test_async_scheduling_keeps_the_pending_token_of_a_preempted_request():
     assert new.num_preemptions >= 1
     assert eng.runner.at_resume["new"] == eng.runner.at_preemption["new"]
     assert len(tokens(outs, "new")) == 20
+
+
+def test_async_scheduling_switched_off_with_a_step_in_flight_applies_it_first():
+    """gpu_check times one engine both ways: the step left in flight is applied by the next
+    synchronous step, and the outputs are those of an engine that never switched."""
+    plain = make_engine()
+    add(plain, "a", 6, max_tokens=8)
+    expected = tokens(run_to_end(plain), "a")
+    eng = make_engine(async_scheduling=True)
+    add(eng, "a", 6, max_tokens=8)
+    outs = [o for _ in range(3) for o in eng.step()]
+    assert eng.has_unfinished_requests() and eng._in_flight is not None
+    eng.async_scheduling = False
+    rest = run_to_end(eng)
+    assert [t for o in outs for t in o.new_token_ids] + tokens(rest, "a") == expected
