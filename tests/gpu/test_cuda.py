@@ -113,3 +113,19 @@ def test_triton_cases_on_the_gpu_write_every_output(dtype) -> None:
         inputs = cases._setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=dim)
         with check.nan_filled_outputs():
             cases._check(*inputs, window=window)
+
+
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 8192), (576, 1536)])
+def test_one_row_linear_takes_the_faster_kernel_and_agrees(n, k) -> None:
+    """`linear` of one bf16 row on CUDA: timed once per shape against cuBLAS, then the winner;
+    either way the result is the float64 product rounded (within bf16's half step)."""
+    from kvflow.model import layers, triton_kernels
+
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to("cuda", torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to("cuda", torch.bfloat16)
+    out = layers.linear(x, w, None, None)
+    assert (n, k, torch.bfloat16, False) in triton_kernels._GEMV_WINS
+    exact = x.double() @ w.double().T
+    bound = exact.abs() * 2.0**-8 + (x.double().abs() @ w.double().abs().T) * k * 2.0**-23
+    assert bool(((out.double() - exact).abs() <= bound).all())

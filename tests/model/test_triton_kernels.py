@@ -126,7 +126,6 @@ def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
             return ops
 
         monkeypatch.setattr(layers, "fused_ops", counted)
-        monkeypatch.setattr("kvflow.model.llama.fused_ops", counted)
         caches = allocate_kv_caches(config, 4, 16, dtype, DEVICE)
         meta = AttentionMetadata.build([9], [0], [[1]], 16, DEVICE)
         positions = torch.from_numpy(token_positions([9], [0])).to(DEVICE)
@@ -138,3 +137,77 @@ def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
     fused, plain = logits(triton_kernels), logits(None)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused, plain, atol=tol * plain.abs().max().item(), rtol=0)
+
+
+def _gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+    """(exact result in float64, bound on |kernel - exact|): half a bf16/fp16 step of the
+    result (its rounding) plus float32 accumulation error over K products."""
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    step = 2.0**-8 if x.dtype == torch.bfloat16 else 2.0**-11
+    magnitude = x.double().abs() @ w.double().abs().T
+    return exact, exact.abs() * step + magnitude * x.shape[1] * 2.0**-23 + 1e-30
+
+
+@pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS, ids=str)
+@pytest.mark.parametrize("n, k, bias", [(37, 600, False), (64, 1024, True), (5, 40, True)])
+def test_gemv_every_tuning_config_matches_a_float64_product(config, n, k, bias) -> None:
+    """Each config the tuner may pick (on the card it picks by speed alone): ragged N and K
+    (masked rows and columns), K below one block, bias or not."""
+    gen = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16) if bias else None
+    kwargs = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    out = triton_kernels.gemv(x, w, b, config=kwargs)
+    exact, bound = _gemv_reference(x, w, b)
+    assert out.shape == (1, n) and out.dtype == torch.bfloat16
+    assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+def test_gemv_applies_only_to_one_half_precision_row() -> None:
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert triton_kernels.gemv_applies(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+    assert not triton_kernels.gemv_applies(torch.zeros(2, 16, dtype=torch.bfloat16), w)
+    assert not triton_kernels.gemv_applies(torch.zeros(1, 16), w.float())
+    assert not triton_kernels.gemv_applies(torch.zeros(1, 16, dtype=torch.bfloat16), w.T)
+
+
+def _config_kwargs(config) -> dict:
+    return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+@pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS[:3], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gemv_is_rms_norm_then_gemv(config, with_residual) -> None:
+    """The fused norm gives the row `rms_norm` gives (up to its sum of squares, added in
+    another order), the stream x + residual goes to a new tensor (programs still read the
+    old one), and the product is then `gemv`'s."""
+    n, k = 24, 600
+    gen = torch.Generator().manual_seed(7 + with_residual)
+    x, residual = (torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16) for _ in "xr")
+    norm_w = (torch.rand(k, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
+    kept = residual.clone()
+    out, stream = triton_kernels.rms_norm_gemv(
+        x, residual if with_residual else None, norm_w, 1e-5, w, None, config=_config_kwargs(config)
+    )
+    assert torch.equal(residual, kept)  # read, never written
+    expected_stream = x + residual if with_residual else x
+    assert torch.equal(stream, expected_stream)
+    normed = triton_kernels.rms_norm(x, norm_w, 1e-5, residual.clone() if with_residual else None)
+    expected = triton_kernels.gemv(normed, w, None, _config_kwargs(config))
+    # equal, but where an element of the normed row came out a step apart (a float32 sum of
+    # squares in another order): then close
+    assert (out == expected).float().mean() >= 0.9
+    assert float((out.float() - expected.float()).abs().max()) <= 1e-2 * float(expected.abs().max())
+
+
+@pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS[:3], ids=str)
+def test_silu_mul_gemv_is_silu_mul_then_gemv(config) -> None:
+    n, k = 24, 300
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (3 * torch.randn(1, 2 * k, generator=gen)).to(DEVICE, torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
+    kwargs = _config_kwargs(config)
+    out = triton_kernels.silu_mul_gemv(gate_up, w, None, config=kwargs)
+    assert torch.equal(out, triton_kernels.gemv(triton_kernels.silu_mul(gate_up), w, None, kwargs))

@@ -85,12 +85,21 @@ def linear(
 ) -> torch.Tensor:
     """x [T, in] @ weight.T (+ bias): small batches through the native kernel's packed weight
     when there is one (bound by reading the weight once), larger ones through oneDNN's
-    pre-packed weight (faster once the matmul is compute-bound), else F.linear."""
+    pre-packed weight (faster once the matmul is compute-bound), one row on CUDA through
+    Triton's `gemv` where it beats cuBLAS, else F.linear."""
     if native is not None and x.shape[0] <= native_linear_max_rows():
         return cpu_kernels.bf16_linear(x, native, bias, weight.shape[0])
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if one_row_gemv(x, weight, bias):
+        return fused_ops(x).gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def one_row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """A decode step at batch 1 on CUDA whose weight Triton's `gemv` reads faster than cuBLAS
+    (`triton_kernels.gemv_wins`, timed once per shape)."""
+    return x.is_cuda and x.shape[0] == 1 and fused_ops(x).gemv_wins(x, weight, bias)
 
 
 @functools.cache
@@ -244,6 +253,31 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = x + residual
         return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
+
+
+def norm_linear(
+    norm: RMSNorm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(proj(norm(x + residual)), the residual stream x + residual); `residual` None: the first
+    layer, whose stream is x. One kernel for a decode row where `one_row_gemv` holds."""
+    if (residual is None or residual.is_contiguous()) and one_row_gemv(x, proj.weight, proj.bias):
+        ops = fused_ops(x)
+        return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+    if residual is None:
+        return proj(norm(x)), x
+    normed, residual = norm(x, residual)
+    return proj(normed), residual
+
+
+def silu_mul_linear(proj: Linear, gate_up: torch.Tensor) -> torch.Tensor:
+    """proj(silu(gate) * up) of a gate | up row; one kernel where `one_row_gemv` holds."""
+    if one_row_gemv(gate_up, proj.weight, proj.bias):
+        return fused_ops(gate_up).silu_mul_gemv(gate_up, proj.weight, proj.bias)
+    ops = fused_ops(gate_up)
+    if ops is not None:
+        return proj(ops.silu_mul(gate_up))
+    gate, up = gate_up.chunk(2, dim=-1)
+    return proj(F.silu(gate) * up)
 
 
 class RotaryEmbedding(nn.Module):

@@ -31,8 +31,9 @@ from kvflow.model.layers import (
     RotaryEmbedding,
     activation,
     apply_rotary,
-    fused_ops,
     linear,
+    norm_linear,
+    silu_mul_linear,
 )
 
 
@@ -85,14 +86,15 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        qkv: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        """Attention of the step's tokens from their fused q | k | v projection (the decoder
+        layer computes it, with the norm before it: `norm_linear`)."""
+        tokens = qkv.shape[0]
         heads = self.num_heads + self.num_kv_heads
         if self.qk_norm:
             q, k, v = self.qkv_proj.split(qkv)
@@ -115,11 +117,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=flavor.mlp_bias)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        ops = fused_ops(gate_up) if self.act is F.silu else None
-        if ops is not None:
-            return self.down_proj(ops.silu_mul(gate_up))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(act(gate) * up) from the gate | up projection (the decoder layer computes it,
+        with the norm before it: `norm_linear`)."""
+        if self.act is F.silu:
+            return silu_mul_linear(self.down_proj, gate_up)
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 
@@ -145,13 +147,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next layer (or the
         final norm) adds the two. The first layer gets residual None and hidden = embeddings."""
-        if residual is None:
-            residual, x = hidden, self.input_layernorm(hidden)
-        else:
-            x, residual = self.input_layernorm(hidden, residual)
-        attn = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(attn, residual)
-        return self.mlp(x), residual
+        attn = self.self_attn
+        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
+        out = attn(qkv, cos, sin, kv_cache, meta)
+        mlp = self.mlp
+        gate_up, residual = norm_linear(
+            self.post_attention_layernorm, mlp.gate_up_proj, out, residual
+        )
+        return mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

@@ -135,3 +135,200 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         grid = (tokens, triton.cdiv(inner, block))
         _silu_mul_kernel[grid](gate_up, out, inner, gate_up.stride(0), out.stride(0), BLOCK=block)
     return out
+
+
+# ---- one-row linear ----------------------------------------------------------------------------
+# A decode step at batch 1 multiplies one activation row by every weight matrix: pure weight
+# reads. cuBLAS launches 32-128 CTAs for such a row on a 132-SM H200 and reads qkv at 2.1 TB/s,
+# o_proj at 1.5 TB/s, down at 2.6 (measured, benchmarks/RESULTS.md 2026-11-30 21:35); the copy
+# bandwidth is 4.2. Here each program owns BLOCK_N output features (N / BLOCK_N programs: 256 to
+# 4096 for a 1B model) and streams their rows BLOCK_K columns at a time, multiplying into a
+# float32 [BLOCK_N, BLOCK_K] accumulator that is summed once at the end.
+#
+# The input row can be made on the fly, which saves a kernel (about 2.2 us inside a graph) each:
+#   NORM   rms_norm(x + residual) * norm weight, rounded as `rms_norm` rounds; every program
+#          first sums the squares over the whole row, program 0 stores x + residual (to a new
+#          buffer: the others are still reading the old one)
+#   SILU   silu(gate) * up from a gate | up row of 2K, rounded as `silu_mul` rounds
+
+_GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in [
+        (4, 512, 4, 3),
+        (8, 512, 4, 3),
+        (8, 256, 4, 4),
+        (16, 256, 4, 3),
+        (8, 1024, 8, 3),
+        (16, 512, 8, 3),
+        (4, 1024, 4, 2),
+        (32, 128, 4, 4),
+    ]
+]
+
+
+@triton.jit
+def _gemv_input(
+    x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, K,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
+    """Columns k of the row the weight multiplies, in float32 (see the comment above)."""
+    x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+    dtype = x.dtype
+    if NORM:
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(res_ptr + k, mask=k_ok, other=0.0)).to(dtype)
+        normed = (x.to(tl.float32) * inv).to(dtype).to(tl.float32)
+        w = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        return (normed * w).to(dtype).to(tl.float32)
+    if SILU:
+        up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0)
+        g = x.to(tl.float32)
+        e = tl.exp(-g.to(tl.float64)).to(tl.float32)
+        act = (g.to(tl.float64) / (1.0 + e).to(tl.float64)).to(tl.float32)
+        return (act.to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    inv = 1.0
+    if NORM:  # the row's mean square first (program 0 also stores the residual stream)
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            k = k_start + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            if HAS_RESIDUAL:
+                x = (x.to(tl.float32) + tl.load(res_ptr + k, mask=k_ok, other=0.0)).to(x.dtype)
+                tl.store(res_out_ptr + k, x, mask=k_ok & (pid == 0))
+            squares += x.to(tl.float32) * x.to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k = k_start + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, K, NORM, HAS_RESIDUAL, SILU)
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+_gemv_tuned = triton.autotune(_GEMV_CONFIGS, key=["N", "K", "NORM", "SILU"], warmup=5, rep=20)(
+    _gemv_kernel
+)
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One half-precision row against a row-major weight: what `gemv` takes."""
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.stride(1) == 1
+        and x.stride(1) == 1
+    )
+
+
+def _launch_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: dict | None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty_like(residual)
+    norm_weight, eps = norm if norm is not None else (weight, 0.0)
+    args = (
+        x, weight, weight if bias is None else bias, out,
+        x if residual is None else residual, x if res_out is None else res_out,
+        norm_weight, eps, n, k, weight.stride(0),
+    )  # fmt: skip
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None,
+        SILU=silu,
+    )
+    if config is not None:
+        _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
+    else:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _gemv_tuned[grid](*args, **flags)
+    return out, res_out
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None = None
+) -> torch.Tensor:
+    """x [1, K] @ weight.T (+ bias) for weight [N, K] -> [1, N] (see `gemv_applies`).
+    The block sizes are tuned per shape on the first call (which must not be inside a CUDA
+    graph capture: the decode graphs warm each bucket up before capturing it); `config`
+    (a `_GEMV_CONFIGS` entry's kwargs, num_warps/num_stages included) skips the tuning."""
+    return _launch_gemv(x, weight, bias, config)[0]
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`gemv` of rms_norm(x [+ residual]), the residual stream): what `rms_norm` then `gemv`
+    give, in one kernel. The stream x + residual goes to a new tensor (x itself without
+    `residual`)."""
+    out, res_out = _launch_gemv(x, weight, bias, config, residual=residual, norm=(norm_weight, eps))
+    return out, x if res_out is None else res_out
+
+
+def silu_mul_gemv(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """`gemv` of silu_mul(gate_up [1, 2K]) for weight [N, K], in one kernel."""
+    return _launch_gemv(gate_up, weight, bias, config, silu=True)[0]
+
+
+_GEMV_WINS: dict[tuple, bool] = {}  # (N, K, dtype, bias?) -> gemv beat cuBLAS on this card
+
+
+def gemv_wins(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `gemv` applies to x and weight and is faster than cuBLAS for this weight shape.
+    The first call per shape times both (Triton's do_bench, L2 flushed between runs, as a
+    decode step finds the weights) and keeps the answer; inside a CUDA graph capture an
+    untimed shape answers False (the decode graphs warm up every bucket before capturing)."""
+    if not gemv_applies(x, weight):
+        return False
+    key = (*weight.shape, x.dtype, bias is not None)
+    wins = _GEMV_WINS.get(key)
+    if wins is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        x = x.contiguous()
+        ours = triton.testing.do_bench(lambda: gemv(x, weight, bias), warmup=5, rep=20)
+        theirs = triton.testing.do_bench(
+            lambda: torch.nn.functional.linear(x, weight, bias), warmup=5, rep=20
+        )
+        wins = _GEMV_WINS[key] = ours < theirs
+    return wins
