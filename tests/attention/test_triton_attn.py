@@ -171,3 +171,39 @@ def test_write_kv_from_a_fused_projection_matches_index_copy(heads, head_dim) ->
     write_kv_cache(k, v, expected, slots)
     write_kv(k, v, cache, slots)
     assert torch.equal(cache, expected)
+
+
+DECODE_CASES = {
+    # name: (num_computed_tokens, Hq, Hkv, head_dim, block_size, window)
+    "one-request-first-token": ([0], 8, 2, 64, 16, None),
+    "block-edges-bs16": ([15, 16, 31, 32, 47], 8, 2, 64, 16, None),
+    "many-blocks-bs3-mqa": ([2, 3, 29, 40], 6, 1, 64, 3, None),
+    "bs1-mha-d128": ([0, 7, 12], 2, 2, 128, 1, None),
+    "window-bs4": ([3, 9, 21], 8, 2, 64, 4, 5),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_decode_path_matches_reference_and_the_varlen_path(case, dtype) -> None:
+    """Decode-only steps (max_query_len 1) take the DECODE path: no tile map is built, the output matches the reference and is bitwise the varlen path's (the same
+    step with max_query_len 2, which keeps the tile sizes for groups up to 8)."""
+    import dataclasses
+
+    computed, hq, hkv, dim, block_size, window = case
+    q_lens = [1] * len(computed)
+    inputs = _setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=sum(computed) + dim)
+    q, k, v, meta, garbage, poisoned, unused = inputs
+    varlen_cache = poisoned.clone()
+    out = _check(*inputs, window=window)
+    assert not _has_tile_map(meta)
+    varlen_meta = dataclasses.replace(meta, max_query_len=2, memo={})
+    varlen = triton_paged_attention(
+        q, k, v, varlen_cache, varlen_meta, dim**-0.5, sliding_window=window
+    )
+    assert _has_tile_map(varlen_meta)
+    assert torch.equal(out, varlen)
+
+
+def _has_tile_map(meta: AttentionMetadata) -> bool:
+    return any(isinstance(key, tuple) and key[0] == "triton_query_tiles" for key in meta.memo)

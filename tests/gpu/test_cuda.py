@@ -2,7 +2,8 @@
 
 - DecodeGraphs captured on CUDA (Triton backend): capturing writes nothing but the null block,
   and each replay equals the same padded forward run eagerly and the plain forward, through
-  batches of changing size and context (the memoised tile map is rebuilt inside the graph).
+  batches of changing size and context (the kernel's decode path reads them from the static
+  buffers; it builds no tile map).
 - The engine on CUDA, float32 greedy: graphs on, --enforce-eager and the CPU engine agree.
 - The Triton kernel on the GPU over tests/attention/test_triton_attn.py's cases, with its
   output buffer NaN-filled so an element it never writes is caught.

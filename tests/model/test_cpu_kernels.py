@@ -89,13 +89,20 @@ def test_rms_norm_matches_transformers_rounding(tokens) -> None:
     assert norm32.shape == heads.shape
 
 
-def test_rotary_in_place_on_strided_rows_matches_torch() -> None:
+@pytest.mark.parametrize("gathered", [False, True], ids=["contiguous", "gathered-views"])
+def test_rotary_in_place_on_strided_rows_matches_torch(gathered) -> None:
+    """x's rows strided as the fused projection leaves them; cos/sin contiguous or, as
+    `RotaryEmbedding` gives them, views of one [T, 2, D] block (rows 2 * D apart)."""
     torch.manual_seed(3)
     qkv = torch.randn(7, 5 * 64).bfloat16()
     qk = qkv[:, : 4 * 64].view(7, 4, 64)  # rows 320 apart, as the fused projection's q|k
     angles = torch.rand(7, 1, 32) * 6
     cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
-    sin = torch.cat((angles.sin(), angles.sin()), -1).bfloat16()
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()  # halves differ: no mix-up
+    if gathered:
+        rows = torch.cat((cos, sin), dim=1)
+        cos, sin = rows[:, :1], rows[:, 1:]
+        assert cos.stride(0) == sin.stride(0) == 128
     rotated = torch.cat((-qk[..., 32:], qk[..., :32]), dim=-1)
     expected = qk * cos + rotated * sin
     v_before = qkv[:, 4 * 64 :].clone()

@@ -64,16 +64,23 @@ def test_rms_norm_matches_transformers_rounding(dtype, tokens, dim) -> None:
     assert ulps_apart(per_head, expected) <= ulps(dtype)
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["contiguous", "gathered-views"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [4, 3, 20])
-def test_rotary_in_place_on_strided_rows_matches_torch(dtype, heads) -> None:
+def test_rotary_in_place_on_strided_rows_matches_torch(dtype, heads, gathered) -> None:
+    """x's rows strided as the fused projection leaves them; cos/sin contiguous or, as
+    `RotaryEmbedding` gives them, views of one [T, 2, D] block (rows 2 * D apart)."""
     gen = torch.Generator().manual_seed(heads)
     tokens, dim = 7, 64
     qkv = torch.randn(tokens, (heads + 1) * dim, generator=gen).to(DEVICE, dtype)
     qk = qkv[:, : heads * dim].view(tokens, heads, dim)  # q|k of the fused projection
     angles = torch.rand(tokens, 1, dim // 2, generator=gen) * 6
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(DEVICE, dtype)
-    sin = torch.cat((angles.sin(), angles.sin()), -1).to(DEVICE, dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(DEVICE, dtype)  # halves differ
+    if gathered:
+        rows = torch.cat((cos, sin), dim=1)
+        cos, sin = rows[:, :1], rows[:, 1:]
+        assert cos.stride(0) == sin.stride(0) == 2 * dim
     rotated = torch.cat((-qk[..., dim // 2 :], qk[..., : dim // 2]), dim=-1)
     expected = qk * cos + rotated * sin
     v_before = qkv[:, heads * dim :].clone()

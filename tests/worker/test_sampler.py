@@ -14,6 +14,7 @@ from kvflow.worker.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
+    row_argmax,
     sample,
 )
 
@@ -278,3 +279,81 @@ def test_top_p_renormalises_after_top_k() -> None:
     assert set(out.sampled.tolist()) == {0, 1}
     out = sample(logits, build([SamplingParams(top_k=3, top_p=0.5)] * 300, vocab=4))
     assert set(out.sampled.tolist()) == {0}
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 256, 1000, 65521, 7, 1], ids=str)
+def test_row_argmax_is_torch_argmax_first_index_on_ties(vocab: int) -> None:
+    """The chunked reduction gives torch.argmax's index (the first of tied maxima, across and
+    inside chunks; a prime vocab is one chunk) and the row maximum, at batch 1 and larger."""
+    g = gen(vocab)
+    rows = [torch.randn(5, vocab, generator=g)]
+    ties = torch.randint(0, 3, (6, vocab), generator=g).float()  # many tied maxima per row
+    ties[5] = -1.5  # every entry tied
+    rows.append(ties)
+    few = torch.full((4, vocab), -3.0)
+    for r, cols in enumerate(([vocab - 1], [0, vocab - 1], [vocab // 2, vocab - 1], [0])):
+        few[r, cols] = 2.0  # the maximum at the chunk edges, twice in different chunks
+    rows.append(few)
+    nan = torch.randn(2, vocab, generator=g)
+    nan[:, [vocab // 3, vocab - 1]] = float("nan")  # torch.argmax: the first NaN
+    rows.append(nan)
+    for logits in rows:
+        for batch in (logits[:1], logits):
+            argmax, row_max = row_argmax(batch)
+            assert argmax.dtype == torch.int64
+            assert torch.equal(argmax, batch.argmax(dim=-1))
+            torch.testing.assert_close(row_max, batch.amax(dim=-1), rtol=0, atol=0, equal_nan=True)
+
+
+def test_row_argmax_chunks_fewer_as_the_batch_grows() -> None:
+    """About 256 rows of work in all: 256 chunks at batch 1, whole rows from batch 129 on."""
+    from kvflow.worker.sampler import _num_chunks
+
+    assert [_num_chunks(128256, b) for b in (1, 2, 8, 64, 129, 256)] == [256, 128, 32, 4, 1, 1]
+    assert _num_chunks(65521, 1) == 1 and _num_chunks(1, 1) == 1
+    for batch in (3, 40, 300):
+        logits = torch.randint(0, 4, (batch, 1000), generator=gen(batch)).float()
+        argmax, row_max = row_argmax(logits)
+        assert torch.equal(argmax, logits.argmax(dim=-1))
+        assert torch.equal(row_max, logits.amax(dim=-1))
+
+
+def test_all_greedy_is_one_chunked_reduction_not_a_sum_or_full_argmax(monkeypatch) -> None:
+    """The all-greedy path reduces the logits once: no row sum, no torch.argmax over rows."""
+    logits = rand_logits(3, seed=11, vocab=1024)
+    expected = logits.argmax(-1)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the greedy path should use row_argmax only")
+
+    monkeypatch.setattr(torch.Tensor, "sum", forbidden)
+    monkeypatch.setattr(torch.Tensor, "argmax", forbidden)
+    out = sample(logits, build([SamplingParams(temperature=0.0)] * 3, vocab=1024))
+    assert torch.equal(out.sampled, expected)
+    assert not out.bad_mask.any()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bad_rows_are_rows_whose_maximum_is_not_finite(temperature: float) -> None:
+    """NaN anywhere, +inf anywhere, or all -inf: bad. A -inf beside finite logits (a masked
+    token) is fine. A logit bias in the batch (the penalised path) changes nothing: the flag
+    reads the raw logits, greedy rows take the argmax of the biased ones."""
+    vocab = 512
+    logits = rand_logits(7, seed=12, vocab=vocab)
+    logits[0, 100] = float("nan")
+    logits[1, 511] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, :400] = float("-inf")  # fine: finite maximum
+    logits[4, 0] = float("nan")
+    logits[4, 1] = float("inf")
+    logits[5, 7] = float("-inf")  # fine
+    params = [SamplingParams(temperature=temperature, seed=1)] * 6
+    params.append(SamplingParams(temperature=temperature, seed=1, logit_bias={5: -100.0}))
+    out = sample(logits, build(params, generators=[gen(i) for i in range(7)], vocab=vocab))
+    assert out.bad_rows == [0, 1, 2, 4]
+    assert ((out.sampled >= 0) & (out.sampled < vocab)).all()
+    if temperature == 0.0:
+        assert out.sampled[3].item() == logits[3].argmax().item() >= 400
+        biased = logits[6].clone()
+        biased[5] -= 100.0
+        assert out.sampled[6].item() == biased.argmax().item()

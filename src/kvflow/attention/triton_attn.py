@@ -18,6 +18,11 @@ kept in `meta.memo` for all layers. The grid size must be known without reading 
 from the device, so it is the bound B + T // BLOCK_Q (sum of ceil(q/BQ) <= sum of q//BQ + 1);
 spare programs find `tile_req == -1` and return at once.
 
+Decode-only steps (max_query_len == 1: every request has exactly one query token, so
+query_start_loc is 0, 1, .., B) take the DECODE path: grid (B, Hkv), program i is request i with
+tile_start 0, and no tile map is built or read. This is the CUDA graphs' step, where the map's
+dozen small torch ops would be replayed every step (~25 us on an H200).
+
 Key loop: a program walks its request's context by token position, BLOCK_N keys at a time, from
 the first key any of its queries can see (0, or the sliding window's start) to its last query's
 position. Key position p is read through the block table at block p // block_size, offset
@@ -46,16 +51,22 @@ def _paged_attention_kernel(
     stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DECODE: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = tl.load(tile_req_ptr + tile)
-    if req < 0:  # spare program of the upper-bound grid
-        return
-    tile_start = tl.load(tile_start_ptr + tile)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if DECODE:  # one query token per request: program i is request i, its token i
+        req = tile
+        tile_start = 0
+        q_start = req
+        q_len = 1
+    else:
+        req = tl.load(tile_req_ptr + tile)
+        if req < 0:  # spare program of the upper-bound grid
+            return
+        tile_start = tl.load(tile_start_ptr + tile)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
     first_pos = seq_len - q_len + tile_start  # context position of the tile's first query
 
@@ -197,9 +208,14 @@ def triton_paged_attention(
     q_tokens = min(triton.next_power_of_2(meta.max_query_len), max(1, 64 // group_pad))
     block_m = max(16, group_pad * q_tokens)
     block_q = block_m // group_pad
-    tile_req, tile_start = _query_tiles(meta, num_tokens, block_q)
+    decode = meta.max_query_len == 1
+    if decode:  # no tile map: program i is request i (the pointers are never read)
+        tile_req = tile_start = meta.seq_lens
+        grid = (meta.num_reqs, num_kv_heads)
+    else:
+        tile_req, tile_start = _query_tiles(meta, num_tokens, block_q)
+        grid = (tile_req.shape[0], num_kv_heads)
     block_table = meta.block_tables
-    grid = (tile_req.shape[0], num_kv_heads)
     _paged_attention_kernel[grid](
         q, out, kv_cache[0], kv_cache[1],
         block_table, meta.query_start_loc, meta.seq_lens, tile_req, tile_start,
@@ -208,6 +224,6 @@ def triton_paged_attention(
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=32 if head_pad > 128 else 64, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=meta.block_size, HAS_WINDOW=sliding_window is not None,
+        BLOCK_SIZE=meta.block_size, HAS_WINDOW=sliding_window is not None, DECODE=decode,
     )  # fmt: skip
     return out

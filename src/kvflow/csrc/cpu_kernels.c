@@ -697,13 +697,13 @@ void kvflow_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *w, f
 
 /* Rotary embedding in place on x [T, H, D] (rows `stride` elements apart, heads packed), as
  * transformers: x * cos + rotate_half(x) * sin with each product and the sum rounded to bf16;
- * cos/sin are [T, D] bf16. */
+ * cos/sin are [T, D] bf16 (rows `cos_stride` / `sin_stride` elements apart). */
 void kvflow_rotary(uint16_t *x, int stride, int T, int H, int D, const uint16_t *cos,
-                   const uint16_t *sin) {
+                   int cos_stride, const uint16_t *sin, int sin_stride) {
     int half = D / 2;
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
-        const uint16_t *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
+        const uint16_t *c = cos + (size_t)t * cos_stride, *s = sin + (size_t)t * sin_stride;
         for (int h = 0; h < H; h++) {
             uint16_t *v = x + (size_t)t * stride + (size_t)h * D;
             for (int i = 0; i < half; i++) {

@@ -95,7 +95,7 @@ def _library() -> ctypes.CDLL | None:
     lib.kvflow_paged_attention.argtypes += [ptr, ptr] + [num] * 6 + [ctypes.c_float, num, ptr]
     for name, args in {
         "kvflow_rms_norm": [ptr, ptr, ptr, ctypes.c_float, ptr, num, num],
-        "kvflow_rotary": [ptr, num, num, num, num, ptr, ptr],
+        "kvflow_rotary": [ptr, num, num, num, num, ptr, num, ptr, num],
         "kvflow_silu_mul": [ptr, ptr, num, num],
     }.items():
         getattr(lib, name).restype = None
@@ -228,13 +228,18 @@ def rms_norm(
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] in place (rows may be strided, heads packed); cos/sin [T, 1, D] bf16."""
+    """Rotate x [T, H, D] in place (rows may be strided, heads packed); cos/sin [T, 1, D] bf16,
+    rows may be strided too (`RotaryEmbedding` gives views of one [T, 2, D] block: no copy)."""
     lib = _library()
     assert lib is not None, "check applies() first"
     assert x.stride(2) == 1 and x.stride(1) == x.shape[2], "heads must be packed"
     tokens, heads, dim = x.shape
-    cos, sin = cos.contiguous(), sin.contiguous()
-    lib.kvflow_rotary(x.data_ptr(), x.stride(0), tokens, heads, dim, cos.data_ptr(), sin.data_ptr())
+    cos, sin = (t.reshape(tokens, dim) for t in (cos, sin))
+    cos, sin = (t if t.stride(1) == 1 else t.contiguous() for t in (cos, sin))
+    lib.kvflow_rotary(
+        x.data_ptr(), x.stride(0), tokens, heads, dim,
+        cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0),
+    )  # fmt: skip
     return x
 
 

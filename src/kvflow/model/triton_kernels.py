@@ -65,7 +65,7 @@ def rms_norm(
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, heads, stride_xt, stride_xh, stride_ct,
+    x_ptr, cos_ptr, sin_ptr, heads, stride_xt, stride_xh, stride_ct, stride_st,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
@@ -78,8 +78,8 @@ def _rotary_kernel(
     dtype = x1.dtype
     cos1 = tl.load(cos_ptr + token * stride_ct + d).to(tl.float32)[None, :]
     cos2 = tl.load(cos_ptr + token * stride_ct + HALF + d).to(tl.float32)[None, :]
-    sin1 = tl.load(sin_ptr + token * stride_ct + d).to(tl.float32)[None, :]
-    sin2 = tl.load(sin_ptr + token * stride_ct + HALF + d).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_ptr + token * stride_st + d).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_ptr + token * stride_st + HALF + d).to(tl.float32)[None, :]
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     # out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
     out1 = (a1 * cos1).to(dtype).to(tl.float32) + (-a2 * sin1).to(dtype).to(tl.float32)
@@ -89,19 +89,26 @@ def _rotary_kernel(
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] in place (rows may be strided, heads packed); cos/sin [T, 1, D]."""
+    """Rotate x [T, H, D] in place (rows may be strided, heads packed); cos/sin [T, 1, D], rows
+    may be strided too (`RotaryEmbedding` gives views of one [T, 2, D] block: no copy)."""
     assert x.stride(2) == 1 and x.stride(1) == x.shape[2], "heads must be packed"
     tokens, heads, dim = x.shape
-    cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+    cos, sin = _rows(cos, tokens, dim), _rows(sin, tokens, dim)
     if tokens:
         block_h = min(triton.next_power_of_2(heads), 16)
         # No fused multiply-add: it would skip the rounding of each product (sm_90 turns
         # them into bf16 FMAs), and 23 % of outputs would differ from torch's.
         _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
-            x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0),
+            x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
             HALF=dim // 2, BLOCK_H=block_h, enable_fp_fusion=False,
         )  # fmt: skip
     return x
+
+
+def _rows(t: torch.Tensor, tokens: int, dim: int) -> torch.Tensor:
+    """t as [tokens, dim] with contiguous rows (a view where it can be)."""
+    t = t.reshape(tokens, dim)
+    return t if t.stride(1) == 1 else t.contiguous()
 
 
 @triton.jit

@@ -24,9 +24,10 @@ the widest row are kept all-zero (zeroed when the widest row shrinks), so every 
 the bucket being run is all zeros.
 
 Attention metadata and its memo: `AttentionMetadata.memo` caches per-step tensors that backends
-derive from the metadata (the Triton tile map, the reference's masks). A graph must not keep
-values from the step it was captured in, so each forward builds a fresh metadata object over
-the static buffers: during capture the memo is filled by device ops *inside* the graph, which
+derive from the metadata (the reference's masks; the Triton backend's tile map, which it builds
+for varlen steps only: its decode path, taken here, needs none). A graph must not keep values
+from the step it was captured in, so each forward builds a fresh metadata object over the
+static buffers: during capture the memo is filled by device ops *inside* the graph, which
 therefore recompute it from the static buffers at every replay; warm-up runs use their own
 objects. `max_seq_len` is the bound max_model_len, not the step's maximum, so one graph is valid
 for any context length (the Triton backend reads lengths from `seq_lens` on the device and does

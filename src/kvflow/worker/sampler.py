@@ -2,14 +2,15 @@
 
 `sample()` is a chain of pure tensor functions with no host synchronisation; the only
 device -> host copies happen when a caller reads `SamplerOutput.token_ids` (with the bad rows,
-in one copy) or `.logprobs`. An all-greedy batch without penalties is one argmax.
+in one copy) or `.logprobs`. An all-greedy batch without penalties is one chunked reduction
+(`row_argmax`) that gives both the tokens and the bad rows.
 `SamplingMetadata.build()` runs every step, so it only makes the tensors a batch needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any
 
 import numpy as np
@@ -231,7 +232,9 @@ class SamplerOutput:
     """Sampled ids stay on the device; the list views copy to the host when first read."""
 
     sampled: Tensor  # int64 [B]
-    bad_mask: Tensor  # bool [B]: the row's raw logits held NaN or +-inf
+    # bool [B]: the row's raw logits held NaN or +inf, or were all -inf (its maximum is not
+    # finite); a -inf beside finite logits is fine (a masked token)
+    bad_mask: Tensor
     # (sampled logprob, its rank, top-n ids, top-n logprobs) when any row asked for logprobs.
     logprob_tensors: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
     num_logprobs: list[int | None] | None = None
@@ -275,7 +278,7 @@ class SamplerOutput:
 
     @property
     def bad_rows(self) -> list[int]:
-        """Rows whose logits were not finite; the caller fails those requests alone."""
+        """Rows whose raw logits were bad (see `bad_mask`); the caller fails those requests alone."""
         return self._on_host[1]
 
     @cached_property
@@ -302,24 +305,53 @@ class SamplerOutput:
 def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (float32); `logits` is not modified."""
     logits = logits.float()
-    # One sum per row: NaN or +-inf anywhere makes it non-finite (cheaper than isfinite().all()).
-    bad_mask = ~logits.sum(dim=-1).isfinite()
+    # One reduction of the raw logits: the bad rows, and the greedy tokens unless penalised.
+    argmax, row_max = row_argmax(logits)
+    bad_mask = ~row_max.isfinite()
     processed = logits
     if meta.has_penalties or meta.min_tokens_mask is not None or meta.logit_bias is not None:
         processed = apply_penalties(logits.clone(), meta)
+        if not meta.all_random:
+            argmax = row_argmax(processed)[0]
     if meta.all_greedy:
-        sampled = processed.argmax(dim=-1)
+        sampled = argmax
     else:
         assert meta.temperature is not None
         sampled = _sample_random(processed, meta)
         if not meta.all_random:
-            greedy = meta.temperature < _GREEDY_EPS
-            sampled = torch.where(greedy, processed.argmax(dim=-1), sampled)
+            sampled = torch.where(meta.temperature < _GREEDY_EPS, argmax, sampled)
     out = SamplerOutput(sampled=sampled, bad_mask=bad_mask)
     if meta.max_num_logprobs is not None:
         out.logprob_tensors = compute_logprobs(logits, sampled, meta.max_num_logprobs)
         out.num_logprobs = meta.num_logprobs
     return out
+
+
+def row_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(argmax int64 [B], max [B]) of each row of `logits` [B, V]: the first index holding the
+    row's maximum, as `torch.argmax` gives it (a NaN counts as the maximum and is the maximum).
+
+    One reduction over the [B, C, V / C] view (C: `_num_chunks`), then one over the C chunk
+    maxima, whose first maximum is the first chunk holding the row maximum; its offset in the
+    chunk is that of the row maximum. torch reduces a whole row with one thread block, which at
+    batch 1 cost 28 us for the argmax of 128256 logits on an H200, and 14 us more for the sum
+    that flagged bad rows; here a small batch is cut into about 256 rows, reduced at once.
+    """
+    batch, vocab = logits.shape
+    chunks = _num_chunks(vocab, batch)
+    width = vocab // chunks
+    chunk_max, offsets = logits.reshape(batch, chunks, width).max(dim=-1)
+    row_max, chunk = chunk_max.max(dim=-1)
+    argmax = chunk * width + offsets.gather(1, chunk.unsqueeze(1)).squeeze(1)
+    return argmax, row_max
+
+
+@cache
+def _num_chunks(vocab: int, batch: int) -> int:
+    """`row_argmax`'s chunks per row: the largest divisor of `vocab` up to 256 / batch (1 for a
+    prime vocab or from batch 129 on: enough rows already; narrower chunks only cost more)."""
+    most = max(1, min(vocab, 256 // max(batch, 1)))
+    return next(c for c in range(most, 0, -1) if vocab % c == 0)
 
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
