@@ -218,3 +218,54 @@ def test_silu_mul_gemv_is_silu_mul_then_gemv(config) -> None:
     kwargs = _config_kwargs(config)
     out = triton_kernels.silu_mul_gemv(gate_up, w, None, config=kwargs)
     assert torch.equal(out, triton_kernels.gemv(triton_kernels.silu_mul(gate_up), w, None, kwargs))
+
+
+def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
+    """A tiny bf16 Llama's one-token decode step with `one_row_gemv` answering yes (as on a
+    card where Triton's gemv wins): every projection goes through gemv, rms_norm_gemv or
+    silu_mul_gemv, each asked about the (row, weight) pair it multiplies, and the logits are
+    those of the same step through the separate kernels."""
+    from test_models import LLAMA_LIKE, VOCAB
+    from transformers import LlamaConfig
+
+    from kvflow.attention import AttentionMetadata, token_positions
+    from kvflow.model import allocate_kv_caches
+    from kvflow.model.llama import LlamaForCausalLM
+
+    config = LlamaConfig(**LLAMA_LIKE)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    ids = torch.randint(0, VOCAB, (9,), device=DEVICE)
+    asked = []
+
+    def one_row(x, weight, bias) -> bool:
+        if x.shape[0] != 1:  # the prefill
+            return False
+        assert x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+        asked.append(weight.shape)
+        return use_gemv
+
+    monkeypatch.setattr(layers, "fused_ops", lambda *tensors: triton_kernels)
+    monkeypatch.setattr(layers, "one_row_gemv", one_row)
+
+    def decode_logits() -> torch.Tensor:
+        caches = allocate_kv_caches(config, 4, 16, torch.bfloat16, DEVICE)
+        with torch.inference_mode():
+            for start, n in ((0, 8), (8, 1)):  # prefill 8 tokens, then decode the 9th
+                meta = AttentionMetadata.build([n], [start], [[1]], 16, DEVICE)
+                pos = torch.from_numpy(token_positions([n], [start])).to(DEVICE)
+                hidden = model(ids[start : start + n], pos, caches, meta)
+            return model.compute_logits(hidden)
+
+    use_gemv = False
+    separate = decode_logits()
+    use_gemv, asked = True, []
+    fused = decode_logits()
+    layers_n = config.num_hidden_layers
+    assert (
+        len([s for s in asked if s[1] == config.hidden_size]) >= 3 * layers_n
+    )  # qkv, gate_up, head
+    torch.testing.assert_close(fused, separate, atol=2e-2 * separate.abs().max().item(), rtol=0)

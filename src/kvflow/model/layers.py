@@ -271,7 +271,7 @@ def norm_linear(
 
 def silu_mul_linear(proj: Linear, gate_up: torch.Tensor) -> torch.Tensor:
     """proj(silu(gate) * up) of a gate | up row; one kernel where `one_row_gemv` holds."""
-    if one_row_gemv(gate_up, proj.weight, proj.bias):
+    if one_row_gemv(gate_up[:, : gate_up.shape[-1] // 2], proj.weight, proj.bias):
         return fused_ops(gate_up).silu_mul_gemv(gate_up, proj.weight, proj.bias)
     ops = fused_ops(gate_up)
     if ops is not None:
