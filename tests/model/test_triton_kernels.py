@@ -156,10 +156,12 @@ def _gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
 
 
 @pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS, ids=str)
-@pytest.mark.parametrize("n, k, bias", [(37, 600, False), (64, 1024, True), (5, 40, True)])
+@pytest.mark.parametrize(
+    "n, k, bias", [(37, 600, False), (64, 1024, True), (5, 40, True), (3, 9000, False)]
+)
 def test_gemv_every_tuning_config_matches_a_float64_product(config, n, k, bias) -> None:
     """Each config the tuner may pick (on the card it picks by speed alone): ragged N and K
-    (masked rows and columns), K below one block, bias or not."""
+    (masked rows and columns), K in one pass or (past 8192 columns) two, bias or not."""
     gen = torch.Generator().manual_seed(n * k)
     x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
@@ -221,10 +223,10 @@ def test_silu_mul_gemv_is_silu_mul_then_gemv(config) -> None:
 
 
 def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
-    """A tiny bf16 Llama's one-token decode step with `one_row_gemv` answering yes (as on a
-    card where Triton's gemv wins): every projection goes through gemv, rms_norm_gemv or
-    silu_mul_gemv, each asked about the (row, weight) pair it multiplies, and the logits are
-    those of the same step through the separate kernels."""
+    """A tiny bf16 Llama's one-token decode step as on a card where every one-row kernel wins
+    (`gemv_wins` answering yes): each projection goes through gemv, rms_norm_gemv or
+    silu_mul_gemv, the question names the (row, weight) pair it multiplies and both timed
+    alternatives run (and agree, but for the norm's, timed without the residual), and the logits are those of the same step through the separate kernels."""
     from test_models import LLAMA_LIKE, VOCAB
     from transformers import LlamaConfig
 
@@ -239,17 +241,23 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     for p in model.parameters():
         p.data.normal_(0, 0.3)
     ids = torch.randint(0, VOCAB, (9,), device=DEVICE)
-    asked = []
+    asked, depth = [], []
 
-    def one_row(x, weight, bias) -> bool:
-        if x.shape[0] != 1:  # the prefill
-            return False
-        assert x.shape[1] == weight.shape[1], (x.shape, weight.shape)
-        asked.append(weight.shape)
+    def wins(what, x, weight, bias, ours, theirs) -> bool:
+        assert x.shape == (1, weight.shape[1]), (what, x.shape, weight.shape)
+        if depth:
+            return use_gemv
+        asked.append(what)
+        depth.append(1)  # `theirs` asks again about its own projection: not recorded
+        a, b = ours(), theirs()  # the same projection (the norm's is timed without residual)
+        depth.pop()
+        if what != "norm":
+            torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
         return use_gemv
 
     monkeypatch.setattr(layers, "fused_ops", lambda *tensors: triton_kernels)
-    monkeypatch.setattr(layers, "one_row_gemv", one_row)
+    monkeypatch.setattr(layers, "_one_row_ops", lambda x: triton_kernels if len(x) == 1 else None)
+    monkeypatch.setattr(triton_kernels, "gemv_wins", wins)
 
     def decode_logits() -> torch.Tensor:
         caches = allocate_kv_caches(config, 4, 16, torch.bfloat16, DEVICE)
@@ -264,8 +272,21 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     separate = decode_logits()
     use_gemv, asked = True, []
     fused = decode_logits()
-    layers_n = config.num_hidden_layers
-    assert (
-        len([s for s in asked if s[1] == config.hidden_size]) >= 3 * layers_n
-    )  # qkv, gate_up, head
+    per_layer = ["norm", "linear", "norm", "silu"]  # qkv, o_proj, gate_up, down
+    assert asked == per_layer * config.num_hidden_layers + ["linear"]  # then the logits head
     torch.testing.assert_close(fused, separate, atol=2e-2 * separate.abs().max().item(), rtol=0)
+
+
+def test_gemv_tiles_are_kept_to_64_elements_per_thread() -> None:
+    configs = triton_kernels._GEMV_CONFIGS
+    kept = triton_kernels._fitting_configs(configs, {}, BLOCK_K=2048)
+    assert {(c.kwargs["BLOCK_N"], c.num_warps) for c in kept} == {
+        (1, 4),
+        (2, 4),
+        (4, 4),
+        (1, 8),
+        (2, 8),
+        (4, 8),
+        (8, 8),
+    }
+    assert len(triton_kernels._fitting_configs(configs, {}, BLOCK_K=8192)) == 3  # (1,4) (1,8) (2,8)

@@ -91,15 +91,21 @@ def linear(
         return cpu_kernels.bf16_linear(x, native, bias, weight.shape[0])
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if one_row_gemv(x, weight, bias):
-        return fused_ops(x).gemv(x, weight, bias)
+    ops = _one_row_ops(x)
+    if ops is not None:
+
+        def gemv() -> torch.Tensor:
+            return ops.gemv(x, weight, bias)
+
+        if ops.gemv_wins("linear", x, weight, bias, gemv, lambda: F.linear(x, weight, bias)):
+            return gemv()
     return F.linear(x, weight, bias)
 
 
-def one_row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """A decode step at batch 1 on CUDA whose weight Triton's `gemv` reads faster than cuBLAS
-    (`triton_kernels.gemv_wins`, timed once per shape)."""
-    return x.is_cuda and x.shape[0] == 1 and fused_ops(x).gemv_wins(x, weight, bias)
+def _one_row_ops(x: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels for one row on CUDA (a decode step at batch 1), whose one-row
+    projections (`gemv` and the fused norm / silu ones) may beat cuBLAS; else None."""
+    return fused_ops(x) if x.is_cuda and x.shape[0] == 1 else None
 
 
 @functools.cache
@@ -259,10 +265,19 @@ def norm_linear(
     norm: RMSNorm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(proj(norm(x + residual)), the residual stream x + residual); `residual` None: the first
-    layer, whose stream is x. One kernel for a decode row where `one_row_gemv` holds."""
-    if (residual is None or residual.is_contiguous()) and one_row_gemv(x, proj.weight, proj.bias):
-        ops = fused_ops(x)
-        return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+    layer, whose stream is x. One kernel for a decode row where that beats the two."""
+    ops = _one_row_ops(x)
+    if ops is not None and (residual is None or residual.is_contiguous()):
+        weight, bias = proj.weight, proj.bias
+
+        def fused() -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, weight, bias)
+
+        def separate() -> torch.Tensor:  # timed without the residual (not to change it)
+            return linear(ops.rms_norm(x, norm.weight, norm.eps), weight, bias, None)
+
+        if ops.gemv_wins("norm", x, weight, bias, fused, separate):
+            return fused()
     if residual is None:
         return proj(norm(x)), x
     normed, residual = norm(x, residual)
@@ -270,9 +285,21 @@ def norm_linear(
 
 
 def silu_mul_linear(proj: Linear, gate_up: torch.Tensor) -> torch.Tensor:
-    """proj(silu(gate) * up) of a gate | up row; one kernel where `one_row_gemv` holds."""
-    if one_row_gemv(gate_up[:, : gate_up.shape[-1] // 2], proj.weight, proj.bias):
-        return fused_ops(gate_up).silu_mul_gemv(gate_up, proj.weight, proj.bias)
+    """proj(silu(gate) * up) of gate | up rows; one kernel for a decode row where that beats
+    the two."""
+    ops = _one_row_ops(gate_up)
+    if ops is not None:
+        weight, bias = proj.weight, proj.bias
+
+        def fused() -> torch.Tensor:
+            return ops.silu_mul_gemv(gate_up, weight, bias)
+
+        def separate() -> torch.Tensor:
+            return linear(ops.silu_mul(gate_up), weight, bias, None)
+
+        gate = gate_up[:, : gate_up.shape[-1] // 2]  # the row the weight multiplies
+        if ops.gemv_wins("silu", gate, weight, bias, fused, separate):
+            return fused()
     ops = fused_ops(gate_up)
     if ops is not None:
         return proj(ops.silu_mul(gate_up))

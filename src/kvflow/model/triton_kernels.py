@@ -20,6 +20,7 @@ Triton's interpreter on the CPU.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -150,29 +151,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # A decode step at batch 1 multiplies one activation row by every weight matrix: pure weight
 # reads. cuBLAS launches 32-128 CTAs for such a row on a 132-SM H200 and reads qkv at 2.1 TB/s,
 # o_proj at 1.5 TB/s, down at 2.6 (measured, benchmarks/RESULTS.md 2026-11-30 21:35); the copy
-# bandwidth is 4.2. Here each program owns BLOCK_N output features (N / BLOCK_N programs: 256 to
-# 4096 for a 1B model) and streams their rows BLOCK_K columns at a time, multiplying into a
-# float32 [BLOCK_N, BLOCK_K] accumulator that is summed once at the end.
+# bandwidth is 4.2. Here each program owns BLOCK_N output features (N / BLOCK_N programs) and
+# loads their rows whole (BLOCK_K = K rounded up to a power of two, up to 8192 columns a pass),
+# so all of a program's loads are in flight at once; BLOCK_N and the warps are tuned per shape
+# among the tiles of at most 64 elements per thread. (A first version walked K in 512-column
+# tiles, waiting on each: 1.7 TB/s on o_proj, and slower than cuBLAS on the other three.)
 #
 # The input row can be made on the fly, which saves a kernel (about 2.2 us inside a graph) each:
 #   NORM   rms_norm(x + residual) * norm weight, rounded as `rms_norm` rounds; every program
 #          first sums the squares over the whole row, program 0 stores x + residual (to a new
 #          buffer: the others are still reading the old one)
 #   SILU   silu(gate) * up from a gate | up row of 2K, rounded as `silu_mul` rounds
+# Each program recomputes that row, so whether it pays is timed too (`gemv_wins`).
 
+_MAX_BLOCK_K = 8192
 _GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-    for n, k, w, s in [
-        (4, 512, 4, 3),
-        (8, 512, 4, 3),
-        (8, 256, 4, 4),
-        (16, 256, 4, 3),
-        (8, 1024, 8, 3),
-        (16, 512, 8, 3),
-        (4, 1024, 4, 2),
-        (32, 128, 4, 4),
-    ]
+    triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=1)
+    for n in (1, 2, 4, 8, 16, 32)
+    for w in (4, 8)
 ]
+
+
+def _fitting_configs(configs: list, named_args: dict, **kwargs) -> list:
+    """The configs whose [BLOCK_N, BLOCK_K] tile is at most 64 elements per thread."""
+    block_k = kwargs["BLOCK_K"]
+    fits = [c for c in configs if c.kwargs["BLOCK_N"] * block_k <= 64 * 32 * c.num_warps]
+    return fits or configs[:1]
 
 
 @triton.jit
@@ -220,23 +224,26 @@ def _gemv_kernel(
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
     for k_start in range(0, K, BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, K, NORM, HAS_RESIDUAL, SILU)
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    out = tl.sum(acc, axis=1)
+        x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, K, NORM, HAS_RESIDUAL, SILU)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_gemv_tuned = triton.autotune(_GEMV_CONFIGS, key=["N", "K", "NORM", "SILU"], warmup=5, rep=20)(
-    _gemv_kernel
-)
+_gemv_tuned = triton.autotune(
+    _GEMV_CONFIGS,
+    key=["N", "K", "NORM", "SILU"],
+    prune_configs_by={"early_config_prune": _fitting_configs},
+    warmup=5,
+    rep=20,
+)(_gemv_kernel)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -275,10 +282,10 @@ def _launch_gemv(
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
         SILU=silu,
+        BLOCK_K=min(triton.next_power_of_2(k), _MAX_BLOCK_K),
     )
     if config is None and _INTERPRETED:  # no timing under Triton's interpreter (tests)
-        first = _GEMV_CONFIGS[0]
-        config = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+        config = dict(BLOCK_N=4, num_warps=4, num_stages=1)
     if config is not None:
         _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
     else:
@@ -291,9 +298,9 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None = None
 ) -> torch.Tensor:
     """x [1, K] @ weight.T (+ bias) for weight [N, K] -> [1, N] (see `gemv_applies`).
-    The block sizes are tuned per shape on the first call (which must not be inside a CUDA
-    graph capture: the decode graphs warm each bucket up before capturing it); `config`
-    (a `_GEMV_CONFIGS` entry's kwargs, num_warps/num_stages included) skips the tuning."""
+    The tile is tuned per shape on the first call (which must not be inside a CUDA graph
+    capture: the decode graphs warm each bucket up before capturing it); `config` (BLOCK_N,
+    num_warps, num_stages) skips the tuning."""
     return _launch_gemv(x, weight, bias, config)[0]
 
 
@@ -323,25 +330,30 @@ def silu_mul_gemv(
     return _launch_gemv(gate_up, weight, bias, config, silu=True)[0]
 
 
-_GEMV_WINS: dict[tuple, bool] = {}  # (N, K, dtype, bias?) -> gemv beat cuBLAS on this card
+_GEMV_WINS: dict[tuple, bool] = {}  # (what, N, K, dtype, bias?) -> the one-row kernel was faster
 
 
-def gemv_wins(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `gemv` applies to x and weight and is faster than cuBLAS for this weight shape.
-    The first call per shape times both (Triton's do_bench, L2 flushed between runs, as a
-    decode step finds the weights) and keeps the answer; inside a CUDA graph capture an
-    untimed shape answers False (the decode graphs warm up every bucket before capturing)."""
+def gemv_wins(
+    what: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ours: Callable[[], object],
+    theirs: Callable[[], object],
+) -> bool:
+    """Whether the one-row kernel `ours` (a `gemv` of x by weight, maybe with the op before
+    it made inside) beats `theirs` (what runs without it: cuBLAS, after the op's own kernel)
+    for this `what` and weight shape on this card; False where `gemv` does not apply. Timed on
+    the first call per shape (Triton's do_bench, L2 flushed between runs, as a decode step
+    finds the weights); inside a CUDA graph capture an untimed shape answers False (the
+    decode graphs warm up every bucket before capturing)."""
     if not gemv_applies(x, weight):
         return False
-    key = (*weight.shape, x.dtype, bias is not None)
+    key = (what, *weight.shape, x.dtype, bias is not None)
     wins = _GEMV_WINS.get(key)
     if wins is None:
         if torch.cuda.is_current_stream_capturing():
             return False
-        x = x.contiguous()
-        ours = triton.testing.do_bench(lambda: gemv(x, weight, bias), warmup=5, rep=20)
-        theirs = triton.testing.do_bench(
-            lambda: torch.nn.functional.linear(x, weight, bias), warmup=5, rep=20
-        )
-        wins = _GEMV_WINS[key] = ours < theirs
+        mine = triton.testing.do_bench(ours, warmup=5, rep=20)
+        wins = _GEMV_WINS[key] = mine < triton.testing.do_bench(theirs, warmup=5, rep=20)
     return wins
