@@ -1111,6 +1111,26 @@ def timing_rows(
     )
 
 
+def one_row_kernel_report() -> list[dict]:
+    """Each batch-1 projection's choice (`triton_kernels.gemv_wins`): Triton's one-row kernel
+    (plain, or with the norm / silu made inside) against what it replaces, as timed at warm-up,
+    with the weight bytes over the kernel's time, and the tile the tuner picked."""
+    from kvflow.model import triton_kernels
+
+    rows = []
+    for (what, n, k, dtype, _), (ours, theirs) in triton_kernels._GEMV_TIMES.items():
+        row = dict(what=what, n=n, k=k, dtype=str(dtype), ours_us=1e3 * ours)
+        row.update(theirs_us=1e3 * theirs, ours_tb_s=n * k * 2 / (ours * 1e-3) / 1e12)
+        rows.append(row)
+        log(
+            f"one-row {what:<6} {n:>6} x {k:<5}: Triton {row['ours_us']:.1f} us "
+            f"({row['ours_tb_s']:.2f} TB/s) vs {row['theirs_us']:.1f} us "
+            f"{'(Triton)' if ours < theirs else '(cuBLAS)'}"
+        )
+    tuned = {str(key): str(config) for key, config in triton_kernels._gemv_tuned.cache.items()}
+    return rows + [dict(tuned=tuned)]
+
+
 def markdown_table(report: dict) -> str:
     def cell(value: Any, digits: int = 2) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
@@ -1196,6 +1216,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="kvflow-gpu-check-") as tmp:
             section_parity_and_timing(args, device, report, Path(tmp), save)
         save()
+    if device == "cuda":
+        report["one_row_kernels"] = one_row_kernel_report()
     table = markdown_table(report)
     report["table"] = table
     checks = [report.get("kernel", {}).get("ok", True)]
