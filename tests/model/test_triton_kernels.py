@@ -133,6 +133,7 @@ def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
             return ops
 
         monkeypatch.setattr(layers, "fused_ops", counted)
+        monkeypatch.setattr("kvflow.model.llama.fused_ops", counted)
         caches = allocate_kv_caches(config, 4, 16, dtype, DEVICE)
         meta = AttentionMetadata.build([9], [0], [[1]], 16, DEVICE)
         positions = torch.from_numpy(token_positions([9], [0])).to(DEVICE)
@@ -211,21 +212,10 @@ def test_rms_norm_gemv_is_rms_norm_then_gemv(config, with_residual) -> None:
     assert float((out.float() - expected.float()).abs().max()) <= 1e-2 * float(expected.abs().max())
 
 
-@pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS[:3], ids=str)
-def test_silu_mul_gemv_is_silu_mul_then_gemv(config) -> None:
-    n, k = 24, 300
-    gen = torch.Generator().manual_seed(11)
-    gate_up = (3 * torch.randn(1, 2 * k, generator=gen)).to(DEVICE, torch.bfloat16)
-    w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
-    kwargs = _config_kwargs(config)
-    out = triton_kernels.silu_mul_gemv(gate_up, w, None, config=kwargs)
-    assert torch.equal(out, triton_kernels.gemv(triton_kernels.silu_mul(gate_up), w, None, kwargs))
-
-
 def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     """A tiny bf16 Llama's one-token decode step as on a card where every one-row kernel wins
-    (`gemv_wins` answering yes): each projection goes through gemv, rms_norm_gemv or
-    silu_mul_gemv, the question names the (row, weight) pair it multiplies and both timed
+    (`gemv_wins` answering yes): each projection goes through gemv or rms_norm_gemv, the
+    question names the (row, weight) pair it multiplies and both timed
     alternatives run (and agree, but for the norm's, timed without the residual), and the logits are those of the same step through the separate kernels."""
     from test_models import LLAMA_LIKE, VOCAB
     from transformers import LlamaConfig
@@ -256,6 +246,7 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
         return use_gemv
 
     monkeypatch.setattr(layers, "fused_ops", lambda *tensors: triton_kernels)
+    monkeypatch.setattr("kvflow.model.llama.fused_ops", lambda *tensors: triton_kernels)
     monkeypatch.setattr(layers, "_one_row_ops", lambda x: triton_kernels if len(x) == 1 else None)
     monkeypatch.setattr(triton_kernels, "gemv_wins", wins)
 
@@ -272,7 +263,7 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     separate = decode_logits()
     use_gemv, asked = True, []
     fused = decode_logits()
-    per_layer = ["norm", "linear", "norm", "silu"]  # qkv, o_proj, gate_up, down
+    per_layer = ["norm", "linear", "norm", "linear"]  # qkv, o_proj, gate_up, down
     assert asked == per_layer * config.num_hidden_layers + ["linear"]  # then the logits head
     torch.testing.assert_close(fused, separate, atol=2e-2 * separate.abs().max().item(), rtol=0)
 

@@ -284,29 +284,6 @@ def norm_linear(
     return proj(normed), residual
 
 
-def silu_mul_linear(proj: Linear, gate_up: torch.Tensor) -> torch.Tensor:
-    """proj(silu(gate) * up) of gate | up rows; one kernel for a decode row where that beats
-    the two."""
-    ops = _one_row_ops(gate_up)
-    if ops is not None:
-        weight, bias = proj.weight, proj.bias
-
-        def fused() -> torch.Tensor:
-            return ops.silu_mul_gemv(gate_up, weight, bias)
-
-        def separate() -> torch.Tensor:
-            return linear(ops.silu_mul(gate_up), weight, bias, None)
-
-        gate = gate_up[:, : gate_up.shape[-1] // 2]  # the row the weight multiplies
-        if ops.gemv_wins("silu", gate, weight, bias, fused, separate):
-            return fused()
-    ops = fused_ops(gate_up)
-    if ops is not None:
-        return proj(ops.silu_mul(gate_up))
-    gate, up = gate_up.chunk(2, dim=-1)
-    return proj(F.silu(gate) * up)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding with transformers' frequencies for every rope type.
 

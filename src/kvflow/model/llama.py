@@ -31,9 +31,9 @@ from kvflow.model.layers import (
     RotaryEmbedding,
     activation,
     apply_rotary,
+    fused_ops,
     linear,
     norm_linear,
-    silu_mul_linear,
 )
 
 
@@ -120,8 +120,9 @@ class LlamaMLP(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """down(act(gate) * up) from the gate | up projection (the decoder layer computes it,
         with the norm before it: `norm_linear`)."""
-        if self.act is F.silu:
-            return silu_mul_linear(self.down_proj, gate_up)
+        ops = fused_ops(gate_up) if self.act is F.silu else None
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 

@@ -19,6 +19,7 @@ Triton's interpreter on the CPU.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -157,13 +158,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # among the tiles of at most 64 elements per thread. (A first version walked K in 512-column
 # tiles, waiting on each: 1.7 TB/s on o_proj, and slower than cuBLAS on the other three.)
 #
-# The input row can be made on the fly, which saves a kernel (about 2.2 us inside a graph) each:
-#   NORM   rms_norm(x + residual) * norm weight, rounded as `rms_norm` rounds; every program
-#          first sums the squares over the whole row, program 0 stores x + residual (to a new
-#          buffer: the others are still reading the old one)
-#   SILU   silu(gate) * up from a gate | up row of 2K, rounded as `silu_mul` rounds
-# Each program recomputes that row, so whether it pays is timed too (`gemv_wins`).
+# With NORM the input row is made on the fly: rms_norm(x + residual) * norm weight, rounded as
+# `rms_norm` rounds. Every program first sums the squares over the whole row, and program 0
+# stores x + residual (to a new buffer: the others are still reading the old one). That saves
+# the norm's own kernel (2.4 us with its gap in a graph) but each program redoes the norm, so
+# whether it pays is timed per shape like the rest (`gemv_wins`). (silu(gate) * up made the
+# same way was tried and dropped: redone per program in float64, down took 45 us, not 13.)
 
+logger = logging.getLogger("kvflow.engine")
 _MAX_BLOCK_K = 8192
 _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=1)
@@ -181,31 +183,24 @@ def _fitting_configs(configs: list, named_args: dict, **kwargs) -> list:
 
 @triton.jit
 def _gemv_input(
-    x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, K,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr,
+    x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr
 ):  # fmt: skip
     """Columns k of the row the weight multiplies, in float32 (see the comment above)."""
     x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-    dtype = x.dtype
     if NORM:
+        dtype = x.dtype
         if HAS_RESIDUAL:
             x = (x.to(tl.float32) + tl.load(res_ptr + k, mask=k_ok, other=0.0)).to(dtype)
         normed = (x.to(tl.float32) * inv).to(dtype).to(tl.float32)
         w = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         return (normed * w).to(dtype).to(tl.float32)
-    if SILU:
-        up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0)
-        g = x.to(tl.float32)
-        e = tl.exp(-g.to(tl.float64)).to(tl.float32)
-        act = (g.to(tl.float64) / (1.0 + e).to(tl.float64)).to(tl.float32)
-        return (act.to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
     return x.to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -229,7 +224,7 @@ def _gemv_kernel(
         k = k_start + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, K, NORM, HAS_RESIDUAL, SILU)
+        x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, NORM, HAS_RESIDUAL)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -237,12 +232,14 @@ def _gemv_kernel(
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Tiles compared by device time as a decode graph sees it (`_graph_us`): timed one launch at a
+# time (Triton's default), the ~40 us Python launch hid the kernel and the card's first tuning
+# picked at random. (The tuner takes the minimum of what this returns, so three equal values.)
 _gemv_tuned = triton.autotune(
     _GEMV_CONFIGS,
-    key=["N", "K", "NORM", "SILU"],
+    key=["N", "K", "NORM"],
     prune_configs_by={"early_config_prune": _fitting_configs},
-    warmup=5,
-    rep=20,
+    do_bench=lambda kernel_call, quantiles: [_graph_us(kernel_call)] * 3,
 )(_gemv_kernel)
 
 
@@ -266,7 +263,6 @@ def _launch_gemv(
     *,
     residual: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
-    silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -281,7 +277,6 @@ def _launch_gemv(
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
-        SILU=silu,
         BLOCK_K=min(triton.next_power_of_2(k), _MAX_BLOCK_K),
     )
     if config is None and _INTERPRETED:  # no timing under Triton's interpreter (tests)
@@ -320,16 +315,6 @@ def rms_norm_gemv(
     return out, x if res_out is None else res_out
 
 
-def silu_mul_gemv(
-    gate_up: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: dict | None = None,
-) -> torch.Tensor:
-    """`gemv` of silu_mul(gate_up [1, 2K]) for weight [N, K], in one kernel."""
-    return _launch_gemv(gate_up, weight, bias, config, silu=True)[0]
-
-
 # (what, N, K, dtype, bias?) -> (ms of the one-row kernel, ms of what it replaces), as timed
 _GEMV_TIMES: dict[tuple, tuple[float, float]] = {}
 
@@ -342,12 +327,12 @@ def gemv_wins(
     ours: Callable[[], object],
     theirs: Callable[[], object],
 ) -> bool:
-    """Whether the one-row kernel `ours` (a `gemv` of x by weight, maybe with the op before
-    it made inside) beats `theirs` (what runs without it: cuBLAS, after the op's own kernel)
-    for this `what` and weight shape on this card; False where `gemv` does not apply. Timed on
-    the first call per shape (Triton's do_bench, L2 flushed between runs, as a decode step
-    finds the weights); inside a CUDA graph capture an untimed shape answers False (the
-    decode graphs warm up every bucket before capturing)."""
+    """Whether the one-row kernel `ours` (a `gemv` of x by weight, maybe with the norm before
+    it made inside) beats `theirs` (what runs without it: cuBLAS, after the norm's own kernel)
+    for this `what` and weight shape on this card; False where `gemv` does not apply. Timed
+    on the first call per shape as a decode graph runs them (`_graph_us`); inside a CUDA graph
+    capture an untimed shape answers False (the decode graphs warm every bucket up before
+    capturing), and so does a shape whose timing failed (cuBLAS is always correct)."""
     if not gemv_applies(x, weight):
         return False
     key = (what, *weight.shape, x.dtype, bias is not None)
@@ -355,8 +340,38 @@ def gemv_wins(
     if times is None:
         if torch.cuda.is_current_stream_capturing():
             return False
-        times = _GEMV_TIMES[key] = (
-            triton.testing.do_bench(ours, warmup=5, rep=20),
-            triton.testing.do_bench(theirs, warmup=5, rep=20),
-        )
+        try:
+            times = (_graph_us(ours), _graph_us(theirs))
+        except Exception as exc:  # any failure here must cost speed only
+            logger.warning("one-row %s %s: timing failed (%r); cuBLAS it is", what, key[1:3], exc)
+            times = (float("inf"), 0.0)
+        _GEMV_TIMES[key] = times
     return times[0] < times[1]
+
+
+def _graph_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Device microseconds per call of `fn` as a decode graph sees them: `reps` calls captured
+    in a CUDA graph, each after a write over 96 MB (the weights come from HBM, as in a step,
+    not from the 60 MB L2), less the same graph without `fn`. `fn` runs once first, outside
+    the capture (Triton tunes its tile, nested choices are made)."""
+    fn()
+    flush = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")
+
+    def replay_ms(with_fn: bool) -> float:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine's other threads may use CUDA meanwhile (at serve time)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    with_fn = min(replay_ms(True) for _ in range(2))
+    return 1e3 * max(with_fn - min(replay_ms(False) for _ in range(2)), 0.0) / reps

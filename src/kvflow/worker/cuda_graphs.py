@@ -173,6 +173,10 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 out = self._forward(bucket)
             self._graphs[bucket] = (graph, out)
+        # A batch-1 step's logits run eagerly after its graph: their one-row kernel choice
+        # (`triton_kernels.gemv_wins`, timed once) is made now, not at the first request.
+        self._load(1, *pack_inputs([], [], []))
+        self.model.compute_logits(self._forward(1)[:1])
         torch.cuda.synchronize()
         logger.info(
             "CUDA graphs: captured decode batch sizes %s in %.1f s",
