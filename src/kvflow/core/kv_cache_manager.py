@@ -28,7 +28,8 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block ids from its `start`-th block on."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())[start:]]
+        blocks = self.req_to_blocks.get(request_id, ())
+        return [b.block_id for b in blocks[start:]] if start < len(blocks) else []
 
     def _hashes(self, request: Request) -> list[BlockHash]:
         known = self._req_to_hashes.get(request.request_id, [])

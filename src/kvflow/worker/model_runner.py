@@ -131,7 +131,8 @@ class ModelRunner:
         self._update_states(sched)
         req_ids = list(sched.num_scheduled_tokens)
         num_reqs, rows = len(req_ids), self.rows
-        index = np.fromiter((self.requests[r].row for r in req_ids), np.intp, num_reqs)
+        states = [self.requests[r] for r in req_ids]
+        index = np.fromiter((s.row for s in states), np.intp, num_reqs)
         q_lens = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, num_reqs)
         computed = rows.num_computed[index]
         ends = computed + q_lens
@@ -145,12 +146,14 @@ class ModelRunner:
         # waiting for the stream, so the order of copies and kernels below costs no stall.
         sample_rows = np.flatnonzero(ends == rows.num_tokens[index])
         decode_only = len(sample_rows) == num_reqs == len(input_ids)  # each request's newest
-        sample_ids = [req_ids[i] for i in sample_rows.tolist()]
+        sample_ids, sample_states = req_ids, states
+        if len(sample_rows) < num_reqs:
+            sample_ids = [req_ids[i] for i in sample_rows.tolist()]
+            sample_states = [states[i] for i in sample_rows.tolist()]
         logit_rows = None  # every token's row is sampled (decode steps): no gather needed
         if sample_ids:
             if not decode_only:
                 logit_rows = to_device(q_lens.cumsum()[sample_rows] - 1, torch.int64, self.device)
-            sample_states = [self.requests[r] for r in sample_ids]
             sampling = self._sampling_metadata(sample_states, index, sample_rows, feed)
         # the input that is still on the device is each such request's last token
         fill_ids = None if feed is None else (lambda ids: self._copy_fed(ids, feed, q_lens))
@@ -175,7 +178,9 @@ class ModelRunner:
             self._in_flight = None
             return lambda: ModelRunnerOutput({}, prompt_logprobs=self._live(prompt_logprobs))
         logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        return self._sample(logits, sample_ids, sample_states, sampling, prompt_logprobs)
+        return self._sample(
+            logits, index[sample_rows], sample_ids, sample_states, sampling, prompt_logprobs
+        )
 
     def _prompt_logprobs(
         self,
@@ -304,16 +309,17 @@ class ModelRunner:
     def _sample(
         self,
         logits: torch.Tensor,
+        rows: np.ndarray,
         req_ids: list[str],
         states: list[CachedRequestState],
         meta: SamplingMetadata,
         prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]],
     ) -> Callable[[], ModelRunnerOutput]:
-        """Queue the sampler on `logits` (row i for req_ids[i]) and append placeholders for
-        its ids; the returned call reads them (the step's first device -> host copy)."""
+        """Queue the sampler on `logits` (row i for req_ids[i], at `rows[i]` of the rows) and
+        append placeholders for its ids; the returned call reads them (the step's first
+        device -> host copy)."""
         out = sample(logits, meta)
         out.to_host()
-        rows = np.fromiter((s.row for s in states), np.intp, len(states))
         positions = self.rows.append_tokens(rows)
         launched = _Sampled(out.sampled, states, rows, self.rows.epoch[rows], positions)
         self._in_flight = launched
@@ -337,13 +343,14 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         failed: dict[str, str] = {}
+        requests, row_logprobs = self.requests, out.logprobs
         for i, (req_id, state) in enumerate(zip(req_ids, launched.states, strict=True)):
-            if self.requests.get(req_id) is not state:
+            if requests.get(req_id) is not state:
                 continue  # ended since the launch (its id may even be in use again)
-            if i in bad:
+            if bad and i in bad:
                 failed[req_id] = "the model produced non-finite logits for this request"
                 continue
             sampled[req_id] = [token_ids[i]]
-            if out.logprobs is not None and out.logprobs[i] is not None:
-                logprobs[req_id] = [out.logprobs[i]]
+            if row_logprobs is not None and row_logprobs[i] is not None:
+                logprobs[req_id] = [row_logprobs[i]]
         return ModelRunnerOutput(sampled, logprobs, self._live(prompt_logprobs), failed)
