@@ -85,7 +85,7 @@ class Scheduler:
             self._schedule_waiting(budget, num_tokens)
         self.num_preemptions_total += len(preempted)
         if not num_tokens:  # nothing to launch: the runner hears of ended requests later
-            return SchedulerOutput([], [], {}, 0, num_preemptions=len(preempted))
+            return SchedulerOutput([], CachedRequestData(), {}, 0, num_preemptions=len(preempted))
         return self._make_output(num_tokens, len(preempted))
 
     def _schedule_running(
@@ -143,13 +143,13 @@ class Scheduler:
         self._preempted.add(req.request_id)
 
     def _make_output(self, num_tokens: dict[str, int], num_preemptions: int) -> SchedulerOutput:
-        new_reqs, cached_reqs = [], []
+        new_reqs, cached_reqs = [], CachedRequestData()
         for req_id, n in num_tokens.items():
             req = self.requests[req_id]
             known = self._runner_blocks.get(req_id)
             if known is not None:  # the runner has `known` blocks: send the rest only
                 new_ids = self.kv.get_block_ids(req_id, known)
-                cached_reqs.append(CachedRequestData(req_id, new_ids, req.num_computed_tokens))
+                cached_reqs.append(req_id, new_ids, req.num_computed_tokens)
                 if new_ids:
                     self._runner_blocks[req_id] = known + len(new_ids)
             else:

@@ -105,11 +105,14 @@ class ModelRunner:
                     self._prompt_logprobs_due.add(new.req_id)
             else:
                 state.row = row
-        for cached in sched.cached_reqs:
-            row = self.requests[cached.req_id].row
-            if cached.new_block_ids:
-                rows.append_blocks(row, cached.new_block_ids)
-            rows.num_computed[row] = cached.num_computed_tokens
+        cached = sched.cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            row = self.requests[req_id].row
+            if new_block_ids:
+                rows.append_blocks(row, new_block_ids)
+            rows.num_computed[row] = num_computed
 
     def launch(self, sched: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Start the step: inputs, the forward and the sampler are queued (on the CPU: done);
