@@ -17,7 +17,7 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Choice:
     index: int
     detok: IncrementalDetokenizer | None
@@ -25,7 +25,7 @@ class _Choice:
     finish_reason: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Parent:
     request_id: str
     prompt: str | None

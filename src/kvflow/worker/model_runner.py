@@ -26,7 +26,7 @@ from kvflow.worker.sampler import SamplerOutput, SamplingMetadata, compute_logpr
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose logits are materialised at once
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestState:
     """The runner's copy of a request: what it needs to build inputs without being re-sent.
     Its tokens, block ids and counters live in its row of `InputRows`; a preempted request has
