@@ -31,8 +31,8 @@ def fast_decode(tokenizer: Any) -> Callable[[list[int], bool], str]:
     """`decode(ids, skip_special_tokens)`, exactly as `tokenizer.decode` returns it.
 
     A transformers fast tokenizer's `decode` is the Rust decoder plus a Python wrapper that
-    costs 3x the decoding of a few ids (2.0 against 0.6 us measured), twice per generated token
-    here. When the wrapper adds nothing (no space clean-up, `decode` and `_decode` not
+    costs 3x the decoding of a few ids (2.0 against 0.6 us measured), once or twice per
+    generated token here. When the wrapper adds nothing (no space clean-up, `decode` and `_decode` not
     overridden) the Rust decoder is called directly; any other tokenizer keeps its own decode.
     """
     from transformers import PreTrainedTokenizerFast

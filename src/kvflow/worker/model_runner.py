@@ -181,9 +181,7 @@ class ModelRunner:
             self._in_flight = None
             return lambda: ModelRunnerOutput({}, prompt_logprobs=self._live(prompt_logprobs))
         logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        return self._sample(
-            logits, index[sample_rows], sample_ids, sample_states, sampling, prompt_logprobs
-        )
+        return self._sample(logits, sample_ids, sample_states, sampling, prompt_logprobs)
 
     def _prompt_logprobs(
         self,
@@ -312,17 +310,16 @@ class ModelRunner:
     def _sample(
         self,
         logits: torch.Tensor,
-        rows: np.ndarray,
         req_ids: list[str],
         states: list[CachedRequestState],
         meta: SamplingMetadata,
         prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]],
     ) -> Callable[[], ModelRunnerOutput]:
-        """Queue the sampler on `logits` (row i for req_ids[i], at `rows[i]` of the rows) and
-        append placeholders for its ids; the returned call reads them (the step's first
-        device -> host copy)."""
+        """Queue the sampler on `logits` (row i for req_ids[i]) and append placeholders for
+        its ids; the returned call reads them (the step's first device -> host copy)."""
         out = sample(logits, meta)
         out.to_host()
+        rows = np.fromiter((s.row for s in states), np.intp, len(states))
         positions = self.rows.append_tokens(rows)
         launched = _Sampled(out.sampled, states, rows, self.rows.epoch[rows], positions)
         self._in_flight = launched
