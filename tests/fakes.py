@@ -52,10 +52,13 @@ class FakeRunner:
             self.states[new.req_id] = _State(
                 tokens, len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
             )
-        for cached in sched.cached_reqs:
-            st = self.states[cached.req_id]
-            assert st.num_computed == cached.num_computed_tokens, "computed counter diverged"
-            st.block_ids.extend(cached.new_block_ids)
+        cached = sched.cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            st = self.states[req_id]
+            assert st.num_computed == num_computed, "computed counter diverged"
+            st.block_ids.extend(new_block_ids)
         sampled: dict[str, list[int]] = {}
         for req_id, n in sched.num_scheduled_tokens.items():
             sampled[req_id] = self._run_one(req_id, n)

@@ -28,7 +28,8 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block ids from its `start`-th block on."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())[start:]]
+        blocks = self.req_to_blocks.get(request_id, ())
+        return [b.block_id for b in blocks[start:]] if start < len(blocks) else []
 
     def _hashes(self, request: Request) -> list[BlockHash]:
         known = self._req_to_hashes.get(request.request_id, [])
@@ -73,15 +74,15 @@ class KVCacheManager:
         On success the request holds every block it needs and the newly allocated ones are
         returned; full blocks are registered in the prefix cache. On None nothing changed.
         """
-        new_computed_blocks = new_computed_blocks or []
         held = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        total = num_computed + num_new_tokens
-        num_new_blocks = cdiv(total, self.block_size) - len(held) - len(new_computed_blocks)
-        if num_new_blocks <= 0 and not new_computed_blocks:  # most decode steps: room is held
+        total = request.num_computed_tokens + num_new_tokens
+        if not new_computed_blocks and total <= len(held) * self.block_size:  # most decodes
             if self.enable_caching:
                 self._cache_full_blocks(request, held, min(total, request.num_tokens))
             return []
+        new_computed_blocks = new_computed_blocks or []
+        total += len(new_computed_blocks) * self.block_size
+        num_new_blocks = cdiv(total, self.block_size) - len(held) - len(new_computed_blocks)
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - evictable_hits:
             return None

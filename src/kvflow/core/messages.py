@@ -22,15 +22,23 @@ class NewRequestData:
 
 @dataclass(frozen=True, slots=True)
 class CachedRequestData:
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    """The scheduled requests the runner already has, as columns (entry i: request
+    `req_ids[i]`), as vLLM lays them out: no object per request per step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # empty: no new blocks
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def append(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
+        self.req_ids.append(req_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
+    cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
     total_num_scheduled_tokens: int
     # Requests the runner must forget (ended since the last step; unknown ids are ignored).

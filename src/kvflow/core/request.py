@@ -42,7 +42,7 @@ FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence to generate.
 
@@ -94,7 +94,7 @@ class Request:
 
     @property
     def num_tokens_with_pending(self) -> int:
-        return self.num_tokens + self.num_pending_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

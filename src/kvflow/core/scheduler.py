@@ -85,7 +85,7 @@ class Scheduler:
             self._schedule_waiting(budget, num_tokens)
         self.num_preemptions_total += len(preempted)
         if not num_tokens:  # nothing to launch: the runner hears of ended requests later
-            return SchedulerOutput([], [], {}, 0, num_preemptions=len(preempted))
+            return SchedulerOutput([], CachedRequestData(), {}, 0, num_preemptions=len(preempted))
         return self._make_output(num_tokens, len(preempted))
 
     def _schedule_running(
@@ -143,14 +143,15 @@ class Scheduler:
         self._preempted.add(req.request_id)
 
     def _make_output(self, num_tokens: dict[str, int], num_preemptions: int) -> SchedulerOutput:
-        new_reqs, cached_reqs = [], []
-        for req_id in num_tokens:
+        new_reqs, cached_reqs = [], CachedRequestData()
+        for req_id, n in num_tokens.items():
             req = self.requests[req_id]
             known = self._runner_blocks.get(req_id)
             if known is not None:  # the runner has `known` blocks: send the rest only
                 new_ids = self.kv.get_block_ids(req_id, known)
-                cached_reqs.append(CachedRequestData(req_id, new_ids, req.num_computed_tokens))
-                self._runner_blocks[req_id] = known + len(new_ids)
+                cached_reqs.append(req_id, new_ids, req.num_computed_tokens)
+                if new_ids:
+                    self._runner_blocks[req_id] = known + len(new_ids)
             else:
                 block_ids = self.kv.get_block_ids(req_id)
                 new_reqs.append(
@@ -164,7 +165,7 @@ class Scheduler:
                     )
                 )
                 self._runner_blocks[req_id] = len(block_ids)
-            req.num_computed_tokens += num_tokens[req_id]
+            req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens_with_pending:
                 req.num_pending_tokens += 1  # this step samples its next token
         forget, self._forget = self._forget, set()
@@ -189,19 +190,18 @@ class Scheduler:
         With async scheduling the next step is scheduled first: a request it preempted gets
         its token (it waits with it), one that ended since is skipped."""
         outputs = []
+        sampled, failed = result.sampled_token_ids, result.failed
         for req_id in sched.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None:
                 continue
-            if req_id in result.failed:
+            if req_id in failed:
                 outputs.extend(
-                    self.finish_requests(
-                        [req_id], RequestStatus.FINISHED_ERROR, result.failed[req_id]
-                    )
+                    self.finish_requests([req_id], RequestStatus.FINISHED_ERROR, failed[req_id])
                 )
                 continue
             new_ids = []
-            for token in result.sampled_token_ids.get(req_id, ()):
+            for token in sampled.get(req_id, ()):
                 req.num_pending_tokens -= 1
                 req.output_token_ids.append(token)
                 new_ids.append(token)
@@ -226,15 +226,21 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> bool:
-        enough = req.num_output_tokens >= req.min_tokens
-        if enough and token == req.eos_token_id and not req.ignore_eos:
-            req.status = RequestStatus.FINISHED_STOPPED
-        elif enough and token in req.stop_token_ids:
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = token
-        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        """Sets the status of a request that `token` (just appended) finishes; returns whether
+        it did."""
+        num_output_tokens = len(req.output_token_ids)
+        if num_output_tokens >= req.min_tokens:
+            if token == req.eos_token_id and not req.ignore_eos:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in req.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return req.is_finished
+            return True
+        return False
 
     def finish_requests(
         self, req_ids, status: RequestStatus, error: str | None = None

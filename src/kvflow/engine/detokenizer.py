@@ -31,8 +31,8 @@ def fast_decode(tokenizer: Any) -> Callable[[list[int], bool], str]:
     """`decode(ids, skip_special_tokens)`, exactly as `tokenizer.decode` returns it.
 
     A transformers fast tokenizer's `decode` is the Rust decoder plus a Python wrapper that
-    costs 3x the decoding of a few ids (2.0 against 0.6 us measured), twice per generated token
-    here. When the wrapper adds nothing (no space clean-up, `decode` and `_decode` not
+    costs 3x the decoding of a few ids (2.0 against 0.6 us measured), once or twice per
+    generated token here. When the wrapper adds nothing (no space clean-up, `decode` and `_decode` not
     overridden) the Rust decoder is called directly; any other tokenizer keeps its own decode.
     """
     from transformers import PreTrainedTokenizerFast
@@ -49,6 +49,24 @@ def fast_decode(tokenizer: Any) -> Callable[[list[int], bool], str]:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+class Decoder:
+    """`fast_decode(tokenizer)`, plus the text of single tokens memoised for every request of
+    an engine: after each token a detokenizer decodes its new context, most often that one
+    token alone (and logprobs decode their tokens one by one). At most two entries (with and
+    without special tokens) per vocabulary id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = fast_decode(tokenizer)
+        self._texts: tuple[dict[int, str], dict[int, str]] = ({}, {})  # by skip_special
+
+    def token_text(self, token_id: int, skip_special: bool) -> str:
+        texts = self._texts[skip_special]
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self.decode([token_id], skip_special)
+        return text
+
+
 class IncrementalDetokenizer:
     """Turns one request's sampled tokens into text and finds its stop strings.
 
@@ -61,10 +79,11 @@ class IncrementalDetokenizer:
         tokenizer: Any,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        decode: Callable[[list[int], bool], str] | None = None,
+        decoder: Decoder | None = None,
     ):
-        """`decode`: `fast_decode(tokenizer)`, made here unless the caller shares one."""
-        self._decode_ids = decode or fast_decode(tokenizer)
+        """`decoder`: `Decoder(tokenizer)`, made here unless the caller shares one."""
+        self._decoder = decoder or Decoder(tokenizer)
+        self._decode_ids = self._decoder.decode
         self._skip_special = params.skip_special_tokens
         self._stops = list(params.stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
@@ -81,7 +100,6 @@ class IncrementalDetokenizer:
         self._text = ""  # full text so far, cut at the stop string once one matched
         self._sent = 0  # chars of _text already handed out by get_delta()
         self._stop_matched: str | None = None
-        self._token_cache: dict[int, str] = {}
 
     @property
     def output_text(self) -> str:
@@ -114,7 +132,7 @@ class IncrementalDetokenizer:
         """Text not handed out yet. Unless `finished` (or a stop string matched), a tail that
         could still grow into a stop string is withheld."""
         end = len(self._text)
-        if not finished and self._stop_matched is None:
+        if self._stops and not finished and self._stop_matched is None:
             end -= self._held_back()
         if end <= self._sent:
             return ""
@@ -124,10 +142,7 @@ class IncrementalDetokenizer:
 
     def decode_token(self, token_id: int) -> str:
         """One token alone as text (logprobs' decoded_token); special tokens are kept."""
-        text = self._token_cache.get(token_id)
-        if text is None:
-            text = self._token_cache[token_id] = self._decode_ids([token_id], False)
-        return text
+        return self._decoder.token_text(token_id, False)
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -143,7 +158,7 @@ class IncrementalDetokenizer:
             self._window, self._read, self._context_text = [], 0, ""
             return
         self._window.append(token_id)
-        text = self._decode(self._window)
+        text = self._decode_ids(self._window, self._skip_special)  # never empty here
         pending = len(self._window) - self._read
         if text.endswith(_REPLACEMENT) and pending < _MAX_PENDING:
             return
@@ -159,7 +174,10 @@ class IncrementalDetokenizer:
             self._text += self._decode(self._window[self._read :])
         self._window = self._window[self._read :]
         self._read = len(self._window)
-        self._context_text = self._decode(self._window)
+        if self._read == 1:  # the common case: the newest token alone
+            self._context_text = self._decoder.token_text(self._window[0], self._skip_special)
+        else:
+            self._context_text = self._decode(self._window)
 
     def _check_stop(self, new_from: int) -> bool:
         """Search the new text (plus the longest stop - 1 chars before it) for a stop string."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.core.messages import EngineCoreOutput, TokenLogprobs
-from kvflow.engine.detokenizer import IncrementalDetokenizer, fast_decode
+from kvflow.engine.detokenizer import Decoder, IncrementalDetokenizer
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -17,7 +17,7 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Choice:
     index: int
     detok: IncrementalDetokenizer | None
@@ -25,7 +25,7 @@ class _Choice:
     finish_reason: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Parent:
     request_id: str
     prompt: str | None
@@ -35,16 +35,17 @@ class _Parent:
     # [None, then one entry per prompt token] while params.prompt_logprobs is set
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    num_finished: int = 0  # choices with a finish_reason
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices.values())
+        return self.num_finished == len(self.choices)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._decode = fast_decode(tokenizer)
+        self._decoder = Decoder(tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
 
@@ -63,7 +64,7 @@ class OutputProcessor:
             detok = None
             if params.detokenize:
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids, params, self._decode
+                    self.tokenizer, prompt_token_ids, params, self._decoder
                 )
             parent.choices[child_id] = _Choice(i, detok)
             self._child_to_parent[child_id] = parent
@@ -85,7 +86,7 @@ class OutputProcessor:
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns delta RequestOutputs (one per parent that progressed, in first-seen order) and
         the child ids that a stop string finished, which the caller must end in the core."""
-        deltas: dict[str, RequestOutput] = {}
+        deltas: dict[str, tuple[_Parent, RequestOutput]] = {}
         stopped: list[str] = []
         for out in core_outputs:
             parent = self._child_to_parent.get(out.req_id)
@@ -97,13 +98,13 @@ class OutputProcessor:
             if out.new_prompt_logprobs and parent.prompt_logprobs is not None and not choice.index:
                 decode = choice.detok.decode_token if choice.detok else None
                 parent.prompt_logprobs += [_entry(lp, decode) for lp in out.new_prompt_logprobs]
-            if not out.new_token_ids and not out.finished:
+            if not out.new_token_ids and out.finish_reason is None:
                 continue  # a prompt chunk's logprobs: they go out with the first token
             completion = self._update_choice(parent, choice, out)
             if completion.finish_reason == "stop" and out.finish_reason is None:
                 stopped.append(out.req_id)  # a stop string ended it; the core does not know yet
-            ro = deltas.get(parent.request_id)
-            if ro is None:
+            delta = deltas.get(parent.request_id)
+            if delta is None:
                 ro = RequestOutput(
                     parent.request_id,
                     parent.prompt,
@@ -112,49 +113,49 @@ class OutputProcessor:
                     False,
                     num_cached_tokens=out.num_cached_tokens,
                 )
-                deltas[parent.request_id] = ro
+                delta = deltas[parent.request_id] = (parent, ro)
+            ro = delta[1]
             ro.outputs.append(completion)
             if out.first_scheduled_time is not None:
                 ro.metrics.setdefault("first_scheduled_time", out.first_scheduled_time)
             if out.error:
                 ro.metrics["error"] = out.error
-        for ro in deltas.values():
-            parent = self._parents[ro.request_id]
+        for parent, ro in deltas.values():
             ro.finished = parent.finished
-            complete = parent.prompt_logprobs is not None and len(parent.prompt_logprobs) == len(
-                parent.prompt_token_ids
-            )
-            if complete and not parent.prompt_logprobs_sent:
-                ro.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
+            if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
+                if len(parent.prompt_logprobs) == len(parent.prompt_token_ids):  # complete
+                    ro.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
             if ro.finished:
                 self._drop(parent)
-        return list(deltas.values()), stopped
+        return [ro for _, ro in deltas.values()], stopped
 
     def _update_choice(
         self, parent: _Parent, choice: _Choice, out: EngineCoreOutput
     ) -> CompletionOutput:
-        params = parent.params
-        stop_str = None
-        if choice.detok is not None and out.new_token_ids:
-            stop_str = choice.detok.update(
-                out.new_token_ids, stop_terminated=out.finish_reason == "stop"
-            )
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if stop_str is not None:
-            finish_reason, stop_reason = "stop", stop_str
-        choice.finish_reason = finish_reason
-        text = choice.detok.get_delta(finished=finish_reason is not None) if choice.detok else ""
+        text = ""
+        detok = choice.detok
+        if detok is not None:
+            if out.new_token_ids:
+                stop_str = detok.update(out.new_token_ids, stop_terminated=finish_reason == "stop")
+                if stop_str is not None:
+                    finish_reason, stop_reason = "stop", stop_str
+            text = detok.get_delta(finished=finish_reason is not None)
+        if finish_reason is not None:
+            choice.finish_reason = finish_reason
+            parent.num_finished += 1
+        num_logprobs = parent.params.logprobs
         logprobs = None
-        if params.logprobs is not None and out.new_logprobs:
+        if num_logprobs is not None and out.new_logprobs:
             logprobs = [self._logprob_entry(choice, lp) for lp in out.new_logprobs]
         return CompletionOutput(
-            index=choice.index,
-            text=text,
-            token_ids=list(out.new_token_ids),
-            cumulative_logprob=choice.cumulative_logprob if params.logprobs is not None else None,
-            logprobs=logprobs,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
+            choice.index,
+            text,
+            out.new_token_ids,  # the core's list, made for this output
+            choice.cumulative_logprob if num_logprobs is not None else None,
+            logprobs,
+            finish_reason,
+            stop_reason,
         )
 
     def _logprob_entry(self, choice: _Choice, lp: TokenLogprobs) -> dict[int, Logprob]:

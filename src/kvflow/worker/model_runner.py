@@ -26,7 +26,7 @@ from kvflow.worker.sampler import SamplerOutput, SamplingMetadata, compute_logpr
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose logits are materialised at once
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestState:
     """The runner's copy of a request: what it needs to build inputs without being re-sent.
     Its tokens, block ids and counters live in its row of `InputRows`; a preempted request has
@@ -105,11 +105,14 @@ class ModelRunner:
                     self._prompt_logprobs_due.add(new.req_id)
             else:
                 state.row = row
-        for cached in sched.cached_reqs:
-            row = self.requests[cached.req_id].row
-            if cached.new_block_ids:
-                rows.append_blocks(row, cached.new_block_ids)
-            rows.num_computed[row] = cached.num_computed_tokens
+        cached = sched.cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            row = self.requests[req_id].row
+            if new_block_ids:
+                rows.append_blocks(row, new_block_ids)
+            rows.num_computed[row] = num_computed
 
     def launch(self, sched: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Start the step: inputs, the forward and the sampler are queued (on the CPU: done);
@@ -131,7 +134,8 @@ class ModelRunner:
         self._update_states(sched)
         req_ids = list(sched.num_scheduled_tokens)
         num_reqs, rows = len(req_ids), self.rows
-        index = np.fromiter((self.requests[r].row for r in req_ids), np.intp, num_reqs)
+        states = [self.requests[r] for r in req_ids]
+        index = np.fromiter((s.row for s in states), np.intp, num_reqs)
         q_lens = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, num_reqs)
         computed = rows.num_computed[index]
         ends = computed + q_lens
@@ -145,12 +149,14 @@ class ModelRunner:
         # waiting for the stream, so the order of copies and kernels below costs no stall.
         sample_rows = np.flatnonzero(ends == rows.num_tokens[index])
         decode_only = len(sample_rows) == num_reqs == len(input_ids)  # each request's newest
-        sample_ids = [req_ids[i] for i in sample_rows.tolist()]
+        sample_ids, sample_states = req_ids, states
+        if len(sample_rows) < num_reqs:
+            sample_ids = [req_ids[i] for i in sample_rows.tolist()]
+            sample_states = [states[i] for i in sample_rows.tolist()]
         logit_rows = None  # every token's row is sampled (decode steps): no gather needed
         if sample_ids:
             if not decode_only:
                 logit_rows = to_device(q_lens.cumsum()[sample_rows] - 1, torch.int64, self.device)
-            sample_states = [self.requests[r] for r in sample_ids]
             sampling = self._sampling_metadata(sample_states, index, sample_rows, feed)
         # the input that is still on the device is each such request's last token
         fill_ids = None if feed is None else (lambda ids: self._copy_fed(ids, feed, q_lens))
@@ -337,13 +343,14 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         failed: dict[str, str] = {}
+        requests, row_logprobs = self.requests, out.logprobs
         for i, (req_id, state) in enumerate(zip(req_ids, launched.states, strict=True)):
-            if self.requests.get(req_id) is not state:
+            if requests.get(req_id) is not state:
                 continue  # ended since the launch (its id may even be in use again)
-            if i in bad:
+            if bad and i in bad:
                 failed[req_id] = "the model produced non-finite logits for this request"
                 continue
             sampled[req_id] = [token_ids[i]]
-            if out.logprobs is not None and out.logprobs[i] is not None:
-                logprobs[req_id] = [out.logprobs[i]]
+            if row_logprobs is not None and row_logprobs[i] is not None:
+                logprobs[req_id] = [row_logprobs[i]]
         return ModelRunnerOutput(sampled, logprobs, self._live(prompt_logprobs), failed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache, cached_property
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -159,8 +160,8 @@ def _column(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> Tensor | None:
-    values = [getattr(p, name) for p in params]
-    if all(v == neutral for v in values):
+    values = list(map(attrgetter(name), params))
+    if values.count(neutral) == len(values):
         return None
     return to_device(values, dtype, device)
 
@@ -269,7 +270,7 @@ class SamplerOutput:
         """(sampled ids, bad rows): one wait for the device per step, not two (`nonzero` on
         the device would wait on its own)."""
         ids, bad = self._read()[0].tolist()
-        return ids, [row for row, flag in enumerate(bad) if flag]
+        return ids, [row for row, flag in enumerate(bad) if flag] if any(bad) else []
 
     @property
     def token_ids(self) -> list[int]:
