@@ -1119,12 +1119,12 @@ def one_row_kernel_report() -> list[dict]:
 
     rows = []
     for (what, n, k, dtype, _), (ours, theirs) in triton_kernels._GEMV_TIMES.items():
-        row = dict(what=what, n=n, k=k, dtype=str(dtype), ours_us=1e3 * ours)
-        row.update(theirs_us=1e3 * theirs, ours_tb_s=n * k * 2 / (ours * 1e-3) / 1e12)
+        row = dict(what=what, n=n, k=k, dtype=str(dtype), ours_us=ours, theirs_us=theirs)
+        row["ours_tb_s"] = n * k * 2 / (ours * 1e-6) / 1e12 if ours > 0 else None
         rows.append(row)
         log(
             f"one-row {what:<6} {n:>6} x {k:<5}: Triton {row['ours_us']:.1f} us "
-            f"({row['ours_tb_s']:.2f} TB/s) vs {row['theirs_us']:.1f} us "
+            f"({row['ours_tb_s'] or 0:.2f} TB/s) vs {row['theirs_us']:.1f} us "
             f"{'(Triton)' if ours < theirs else '(cuBLAS)'}"
         )
     tuned = {str(key): str(config) for key, config in triton_kernels._gemv_tuned.cache.items()}
