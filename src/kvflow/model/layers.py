@@ -104,7 +104,7 @@ def linear(
 
 def _one_row_ops(x: torch.Tensor) -> ModuleType | None:
     """The Triton kernels for one row on CUDA (a decode step at batch 1), whose one-row
-    projections (`gemv` and the fused norm / silu ones) may beat cuBLAS; else None."""
+    projections (`gemv`, and `rms_norm_gemv` with the norm inside) may beat cuBLAS; else None."""
     return fused_ops(x) if x.is_cuda and x.shape[0] == 1 else None
 
 
