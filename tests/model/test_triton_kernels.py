@@ -133,7 +133,6 @@ def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
             return ops
 
         monkeypatch.setattr(layers, "fused_ops", counted)
-        monkeypatch.setattr("kvflow.model.llama.fused_ops", counted)
         caches = allocate_kv_caches(config, 4, 16, dtype, DEVICE)
         meta = AttentionMetadata.build([9], [0], [[1]], 16, DEVICE)
         positions = torch.from_numpy(token_positions([9], [0])).to(DEVICE)
@@ -212,11 +211,33 @@ def test_rms_norm_gemv_is_rms_norm_then_gemv(config, with_residual) -> None:
     assert float((out.float() - expected.float()).abs().max()) <= 1e-2 * float(expected.abs().max())
 
 
+@pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS[:4], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_rms_norm_gemv_is_silu_mul_of_its_projection(config, bias) -> None:
+    """gated=True: silu(gate) * up of the gate | up projection, exactly what `silu_mul` makes
+    of the same kernel's ungated output (the same sums, rounded at the same points)."""
+    inner, k = 20, 300
+    gen = torch.Generator().manual_seed(13 + bias)
+    x, residual = (torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16) for _ in "xr")
+    norm_w = (torch.rand(k, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
+    w = (0.2 * torch.randn(2 * inner, k, generator=gen)).to(DEVICE, torch.bfloat16)
+    b = torch.randn(2 * inner, generator=gen).to(DEVICE, torch.bfloat16) if bias else None
+    kwargs = _config_kwargs(config)
+    act, stream = triton_kernels.rms_norm_gemv(
+        x, residual, norm_w, 1e-5, w, b, config=kwargs, gated=True
+    )
+    gate_up, same_stream = triton_kernels.rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, kwargs)
+    assert act.shape == (1, inner)
+    assert torch.equal(act, triton_kernels.silu_mul(gate_up))
+    assert torch.equal(stream, same_stream) and torch.equal(stream, x + residual)
+
+
 def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     """A tiny bf16 Llama's one-token decode step as on a card where every one-row kernel wins
-    (`gemv_wins` answering yes): each projection goes through gemv or rms_norm_gemv, the
-    question names the (row, weight) pair it multiplies and both timed
-    alternatives run (and agree, but for the norm's, timed without the residual), and the logits are those of the same step through the separate kernels."""
+    (`gemv_wins` answering yes): each projection goes through gemv or rms_norm_gemv (gated for
+    gate | up), each question names the (row, weight) pair it multiplies, both timed
+    alternatives run (and agree, but for the norms', timed without the residual), and the
+    logits are those of the same step through the separate kernels."""
     from test_models import LLAMA_LIKE, VOCAB
     from transformers import LlamaConfig
 
@@ -239,14 +260,13 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
             return use_gemv
         asked.append(what)
         depth.append(1)  # `theirs` asks again about its own projection: not recorded
-        a, b = ours(), theirs()  # the same projection (the norm's is timed without residual)
+        a, b = ours(), theirs()  # the same projection (the norms' are timed without residual)
         depth.pop()
-        if what != "norm":
+        if what == "linear":
             torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
         return use_gemv
 
     monkeypatch.setattr(layers, "fused_ops", lambda *tensors: triton_kernels)
-    monkeypatch.setattr("kvflow.model.llama.fused_ops", lambda *tensors: triton_kernels)
     monkeypatch.setattr(layers, "_one_row_ops", lambda x: triton_kernels if len(x) == 1 else None)
     monkeypatch.setattr(triton_kernels, "gemv_wins", wins)
 
@@ -263,14 +283,14 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     separate = decode_logits()
     use_gemv, asked = True, []
     fused = decode_logits()
-    per_layer = ["norm", "linear", "norm", "linear"]  # qkv, o_proj, gate_up, down
+    per_layer = ["norm", "linear", "norm+silu", "linear"]  # qkv, o_proj, gate_up, down
     assert asked == per_layer * config.num_hidden_layers + ["linear"]  # then the logits head
     torch.testing.assert_close(fused, separate, atol=2e-2 * separate.abs().max().item(), rtol=0)
 
 
 def test_gemv_tiles_are_kept_to_64_elements_per_thread() -> None:
     configs = triton_kernels._GEMV_CONFIGS
-    kept = triton_kernels._fitting_configs(configs, {}, BLOCK_K=2048)
+    kept = triton_kernels._fitting_configs(configs, {}, BLOCK_K=2048, GATED=False)
     assert {(c.kwargs["BLOCK_N"], c.num_warps) for c in kept} == {
         (1, 4),
         (2, 4),
@@ -280,4 +300,12 @@ def test_gemv_tiles_are_kept_to_64_elements_per_thread() -> None:
         (4, 8),
         (8, 8),
     }
-    assert len(triton_kernels._fitting_configs(configs, {}, BLOCK_K=8192)) == 3  # (1,4) (1,8) (2,8)
+    assert len(triton_kernels._fitting_configs(configs, {}, BLOCK_K=8192, GATED=False)) == 3
+    gated = triton_kernels._fitting_configs(configs, {}, BLOCK_K=2048, GATED=True)  # two tiles
+    assert {(c.kwargs["BLOCK_N"], c.num_warps) for c in gated} == {
+        (1, 4),
+        (2, 4),
+        (1, 8),
+        (2, 8),
+        (4, 8),
+    }

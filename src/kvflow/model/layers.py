@@ -284,6 +284,31 @@ def norm_linear(
     return proj(normed), residual
 
 
+def norm_linear_silu(
+    norm: RMSNorm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up of proj(norm(x + residual)), the residual stream) for proj = gate | up:
+    `norm_linear` then `silu_mul`, or one kernel for a decode row where that beats them."""
+    ops = _one_row_ops(x)
+    if ops is not None and (residual is None or residual.is_contiguous()):
+        weight, bias = proj.weight, proj.bias
+
+        def fused() -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, weight, bias, gated=True)
+
+        def separate() -> torch.Tensor:  # timed without the residual (not to change it)
+            return ops.silu_mul(norm_linear(norm, proj, x, None)[0])
+
+        if ops.gemv_wins("norm+silu", x, weight, bias, fused, separate):
+            return fused()
+    gate_up, residual = norm_linear(norm, proj, x, residual)
+    ops = fused_ops(gate_up)
+    if ops is not None:
+        return ops.silu_mul(gate_up), residual
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up, residual
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding with transformers' frequencies for every rope type.
 

@@ -31,9 +31,9 @@ from kvflow.model.layers import (
     RotaryEmbedding,
     activation,
     apply_rotary,
-    fused_ops,
     linear,
     norm_linear,
+    norm_linear_silu,
 )
 
 
@@ -117,14 +117,19 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=flavor.mlp_bias)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down(act(gate) * up) from the gate | up projection (the decoder layer computes it,
-        with the norm before it: `norm_linear`)."""
-        ops = fused_ops(gate_up) if self.act is F.silu else None
-        if ops is not None:
-            return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(self.act(gate) * up)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down(act(gate) * up) of norm(x + residual), the residual stream): the norm before
+        the MLP is taken here, so that a decode row can make it, gate | up and silu in one
+        kernel (`norm_linear_silu`)."""
+        if self.act is F.silu:
+            act, residual = norm_linear_silu(norm, self.gate_up_proj, x, residual)
+        else:
+            gate_up, residual = norm_linear(norm, self.gate_up_proj, x, residual)
+            gate, up = self.gate_up_proj.split(gate_up)
+            act = self.act(gate) * up
+        return self.down_proj(act), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -151,11 +156,7 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
         out = attn(qkv, cos, sin, kv_cache, meta)
-        mlp = self.mlp
-        gate_up, residual = norm_linear(
-            self.post_attention_layernorm, mlp.gate_up_proj, out, residual
-        )
-        return mlp(gate_up), residual
+        return self.mlp(out, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

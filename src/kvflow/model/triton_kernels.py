@@ -166,6 +166,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # the norm's own kernel (2.4 us with its gap in a graph) but each program redoes the norm, so
 # whether it pays is timed per shape like the rest (`gemv_wins`). (silu(gate) * up made the
 # same way was tried and dropped: redone per program in float64, down took 45 us, not 13.)
+#
+# With GATED the weight is gate | up [2I, K] and the output silu(gate) * up [1, I], in the
+# epilogue: a program takes gate rows n and up rows I + n, rounds both as the projection's
+# output is rounded, then applies `silu_mul`'s rounding. Nothing is redone per program; it
+# saves the silu kernel and the write and read of gate | up.
 
 logger = logging.getLogger("kvflow.engine")
 _MAX_BLOCK_K = 8192
@@ -177,9 +182,10 @@ _GEMV_CONFIGS = [
 
 
 def _fitting_configs(configs: list, named_args: dict, **kwargs) -> list:
-    """The configs whose [BLOCK_N, BLOCK_K] tile is at most 64 elements per thread."""
-    block_k = kwargs["BLOCK_K"]
-    fits = [c for c in configs if c.kwargs["BLOCK_N"] * block_k <= 64 * 32 * c.num_warps]
+    """The configs whose weight tiles ([BLOCK_N, BLOCK_K], two with GATED) are at most 64
+    elements per thread."""
+    per_row = kwargs["BLOCK_K"] * (2 if kwargs["GATED"] else 1)
+    fits = [c for c in configs if c.kwargs["BLOCK_N"] * per_row <= 64 * 32 * c.num_warps]
     return fits or configs[:1]
 
 
@@ -202,7 +208,7 @@ def _gemv_input(
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -221,16 +227,31 @@ def _gemv_kernel(
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
+    up_rows = rows + N * stride_w  # GATED: the up half of the weight
     acc = tl.zeros([BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_N], tl.float32)
     for k_start in range(0, K, BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(rows + k[None, :], mask=w_mask, other=0.0)
+        if GATED:
+            w_up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
         x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k_ok, inv, NORM, HAS_RESIDUAL)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if GATED:
+            acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:  # as `silu_mul` computes it from the rounded projection (see _silu_mul_kernel)
+        g = acc.to(dtype).to(tl.float32)
+        e = tl.exp(-g.to(tl.float64)).to(tl.float32)
+        act = (g.to(tl.float64) / (1.0 + e).to(tl.float64)).to(tl.float32)
+        acc = act.to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + n, acc.to(dtype), mask=n_ok)
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -239,7 +260,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # picked at random. (The tuner takes the minimum of what this returns, so three equal values.)
 _gemv_tuned = triton.autotune(
     _GEMV_CONFIGS,
-    key=["N", "K", "NORM"],
+    key=["N", "K", "NORM", "GATED"],
     prune_configs_by={"early_config_prune": _fitting_configs},
     do_bench=lambda kernel_call, quantiles: [_graph_us(kernel_call)] * 3,
 )(_gemv_kernel)
@@ -265,8 +286,10 @@ def _launch_gemv(
     *,
     residual: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
+    n //= 2 if gated else 1  # outputs: silu(gate) * up of the two halves
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty_like(residual)
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
@@ -279,6 +302,7 @@ def _launch_gemv(
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
+        GATED=gated,
         BLOCK_K=min(triton.next_power_of_2(k), _MAX_BLOCK_K),
     )
     if config is None and _INTERPRETED:  # no timing under Triton's interpreter (tests)
@@ -309,11 +333,15 @@ def rms_norm_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     config: dict | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`gemv` of rms_norm(x [+ residual]), the residual stream): what `rms_norm` then `gemv`
     give, in one kernel. The stream x + residual goes to a new tensor (x itself without
-    `residual`)."""
-    out, res_out = _launch_gemv(x, weight, bias, config, residual=residual, norm=(norm_weight, eps))
+    `residual`). `gated`: weight is gate | up and the result silu(gate) * up, as `silu_mul`
+    of the projection gives it."""
+    out, res_out = _launch_gemv(
+        x, weight, bias, config, residual=residual, norm=(norm_weight, eps), gated=gated
+    )
     return out, x if res_out is None else res_out
 
 
