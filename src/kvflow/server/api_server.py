@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import gc
 import logging
 import os
 import signal
@@ -202,9 +203,17 @@ def _load_engine(args: argparse.Namespace) -> LLMEngine:
     region; with the main thread's left beside the engine thread's it counts more threads than
     cores and has them sleep at once between regions instead of spinning, so each of a step's
     ~200 regions waited for a wake-up: decode steps ran 1.5x slower in the server than offline
-    (benchmarks/RESULTS.md). A thread's pool goes when the thread ends."""
+    (benchmarks/RESULTS.md). A thread's pool goes when the thread ends. The objects the load
+    made are then frozen (see below)."""
     with ThreadPoolExecutor(1, thread_name_prefix="kvflow-load") as pool:
-        return pool.submit(LLMEngine.from_args, engine_args_from(args)).result()
+        engine = pool.submit(LLMEngine.from_args, engine_args_from(args)).result()
+    # The ~300k objects the load leaves (tokenizer tables, modules, ...) live as long as the
+    # process: moved out of the collector's reach, a full collection, which Python runs now and
+    # then as requests come and go, scans only what serving made (142 ms -> 0 ms for the
+    # embedded model, stalling every thread, the engine's too).
+    gc.collect()
+    gc.freeze()
+    return engine
 
 
 def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
