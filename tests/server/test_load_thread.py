@@ -32,17 +32,18 @@ print(before, after_loader, threads())
 """
 
 
+def run_probe(code: str, values: int) -> tuple[list[int], str]:
+    """The last `values` integers a probe prints (in a fresh process), and its output."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    return [int(v) for v in done.stdout.split()[-values:]], done.stdout + done.stderr
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no workers")
 def test_server_loader_leaves_no_openmp_pool_behind() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    before, after_loader, after_direct = map(int, done.stdout.split()[-3:])
-    assert after_loader == before, done.stdout + done.stderr
+    (before, after_loader, after_direct), output = run_probe(PROBE, 3)
+    assert after_loader == before, output
     assert after_direct > after_loader  # the same load on this thread leaves its workers
 
 
@@ -63,12 +64,5 @@ def test_server_loader_freezes_what_the_load_made() -> None:
     """The load's objects are out of the collector's reach: a full collection (Python runs
     them as serving's objects come and go) has a few thousand left to scan, not ~300k
     (142 ms each for the embedded model)."""
-    done = subprocess.run(
-        [sys.executable, "-c", FREEZE_PROBE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    frozen, tracked = map(int, done.stdout.split()[-2:])
-    assert frozen > 100_000 and tracked < frozen // 20, done.stdout + done.stderr
+    (frozen, tracked), output = run_probe(FREEZE_PROBE, 2)
+    assert frozen > 100_000 and tracked < frozen // 20, output
