@@ -26,8 +26,9 @@ is installed). Random-weight checkpoints are written to a temporary directory at
              on logits, teacher-forced along transformers' float32 greedy sequence: kvflow's
              bf16 deviation from the float32 logits (prefill, then one decode step per token)
              must be at most twice transformers' own bf16 deviation (+1e-3). Matching greedy
-             tokens in bf16 are reported, not required. The SmolLM2-shape float32 engine is
-             sized by --gpu-memory-utilization (the profiled path) and checked to stay within it.
+             tokens in bf16 are reported, not required. The first shape's (the 1B's) float32
+             engine is sized by --gpu-memory-utilization (the profiled path) and checked to stay
+             within it.
              Graph replay, on the float32 model and the bf16 one: capturing writes only the
              null block; decode batches of 1, 3, 5, 9, 16 replay to within 1e-5 (relative) of
              the same padded forward run eagerly and 1e-3 (bf16: 5e-2) of the plain unpadded
@@ -764,7 +765,7 @@ def check_bf16(hf, llm, prompts, seqs, oracle, new_tokens, device, parity) -> No
     kv_err, kv_agree = logit_error(kv_rows, oracle)
     hf_err, hf_agree = logit_error(hf_rows, oracle)
     got = kvflow_greedy(llm, prompts, new_tokens)
-    # bf16 batch 1 runs Triton's one-row kernels (fused norm / silu) where they beat cuBLAS:
+    # bf16 batch 1 runs Triton's one-row kernels (norm or silu inside) where they beat cuBLAS:
     # its graph replays the eager forward; the teacher-forced decode steps above are batch 1
     parity["bf16_graph_replay"] = graph_replay_check(model, hf.config, torch.bfloat16, device, 7)
     parity.update(

@@ -262,51 +262,42 @@ class RMSNorm(nn.Module):
 
 
 def norm_linear(
-    norm: RMSNorm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None
+    norm: RMSNorm,
+    proj: Linear,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(proj(norm(x + residual)), the residual stream x + residual); `residual` None: the first
-    layer, whose stream is x. One kernel for a decode row where that beats the two."""
+    layer, whose stream is x. `silu`: proj is gate | up and the result silu(gate) * up. One
+    kernel for a decode row where that beats the separate ones (timed once per shape)."""
     ops = _one_row_ops(x)
     if ops is not None and (residual is None or residual.is_contiguous()):
         weight, bias = proj.weight, proj.bias
 
         def fused() -> tuple[torch.Tensor, torch.Tensor]:
-            return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, weight, bias)
+            return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, weight, bias, gated=silu)
 
         def separate() -> torch.Tensor:  # timed without the residual (not to change it)
-            return linear(ops.rms_norm(x, norm.weight, norm.eps), weight, bias, None)
+            out = linear(ops.rms_norm(x, norm.weight, norm.eps), weight, bias, None)
+            return ops.silu_mul(out) if silu else out
 
-        if ops.gemv_wins("norm", x, weight, bias, fused, separate):
+        if ops.gemv_wins("norm+silu" if silu else "norm", x, weight, bias, fused, separate):
             return fused()
     if residual is None:
-        return proj(norm(x)), x
-    normed, residual = norm(x, residual)
-    return proj(normed), residual
+        out, residual = proj(norm(x)), x
+    else:
+        normed, residual = norm(x, residual)
+        out = proj(normed)
+    return (_silu_mul(out) if silu else out), residual
 
 
-def norm_linear_silu(
-    norm: RMSNorm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(gate) * up of proj(norm(x + residual)), the residual stream) for proj = gate | up:
-    `norm_linear` then `silu_mul`, or one kernel for a decode row where that beats them."""
-    ops = _one_row_ops(x)
-    if ops is not None and (residual is None or residual.is_contiguous()):
-        weight, bias = proj.weight, proj.bias
-
-        def fused() -> tuple[torch.Tensor, torch.Tensor]:
-            return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, weight, bias, gated=True)
-
-        def separate() -> torch.Tensor:  # timed without the residual (not to change it)
-            return ops.silu_mul(norm_linear(norm, proj, x, None)[0])
-
-        if ops.gemv_wins("norm+silu", x, weight, bias, fused, separate):
-            return fused()
-    gate_up, residual = norm_linear(norm, proj, x, residual)
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     ops = fused_ops(gate_up)
     if ops is not None:
-        return ops.silu_mul(gate_up), residual
+        return ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up, residual
+    return F.silu(gate) * up
 
 
 class RotaryEmbedding(nn.Module):

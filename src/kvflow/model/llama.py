@@ -33,7 +33,6 @@ from kvflow.model.layers import (
     apply_rotary,
     linear,
     norm_linear,
-    norm_linear_silu,
 )
 
 
@@ -122,9 +121,9 @@ class LlamaMLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(down(act(gate) * up) of norm(x + residual), the residual stream): the norm before
         the MLP is taken here, so that a decode row can make it, gate | up and silu in one
-        kernel (`norm_linear_silu`)."""
+        kernel (`norm_linear`)."""
         if self.act is F.silu:
-            act, residual = norm_linear_silu(norm, self.gate_up_proj, x, residual)
+            act, residual = norm_linear(norm, self.gate_up_proj, x, residual, silu=True)
         else:
             gate_up, residual = norm_linear(norm, self.gate_up_proj, x, residual)
             gate, up = self.gate_up_proj.split(gate_up)
