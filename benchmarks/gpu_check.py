@@ -56,6 +56,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -1079,6 +1080,9 @@ def timing_rows(
             f"{row['kvflow_eager']:.2f} ms, transformers {row['transformers']:.2f} ms, "
             f"floor {row['floor_ms']:.3f} ms"
         )
+    if device == "cuda" and time.monotonic() - START < args.budget_s:
+        without_pdl(llm, [r for r in report["timing"] if r.get("model") == name], prompt_len)
+        save()
     if args.trace_dir and device == "cuda" and time.monotonic() - START < args.budget_s:
         for batch in (1, 256):
             try:
@@ -1112,6 +1116,36 @@ def timing_rows(
     )
 
 
+def without_pdl(llm: LLM, rows: list[dict], prompt_len: int) -> None:
+    """The same decode rows with programmatic dependent launch off (`triton_kernels.pdl_args`):
+    the graphs are captured again without it, timed, and captured again with it."""
+    from kvflow.model import triton_kernels
+
+    graphs = llm.engine.core.runner.decode_graphs
+    if graphs is None or not graphs.use_graphs:
+        return
+
+    def recapture(pdl: bool) -> None:
+        triton_kernels.PDL_ENABLED = pdl
+        graphs._graphs.clear()
+        graphs.capture()
+
+    if not triton_kernels.pdl_args()["PDL"]:
+        return  # no PDL on this card: nothing to compare
+    recapture(False)
+    try:
+        for i, row in enumerate(r for r in rows if "batch" in r and "kvflow_graphs" in r):
+            timed = engine_decode_ms(llm, row["batch"], prompt_len, 3, 20, seed=700 + i)
+            row["kvflow_graphs_no_pdl"], row["graph_device_ms_no_pdl"] = timed[0], timed[3]
+            log(
+                f"timing batch {row['batch']} without PDL: {timed[0]:.2f} ms "
+                f"(graph {timed[3]:.3f} ms), with: {row['kvflow_graphs']:.2f} ms "
+                f"(graph {row['graph_device_ms']:.3f} ms)"
+            )
+    finally:
+        recapture(True)
+
+
 def one_row_kernel_report() -> list[dict]:
     """Each batch-1 projection's choice (`triton_kernels.gemv_wins`): Triton's one-row kernel
     (plain, or with the norm / silu made inside) against what it replaces, as timed at warm-up,
@@ -1132,27 +1166,57 @@ def one_row_kernel_report() -> list[dict]:
     return rows + [dict(tuned=tuned)]
 
 
+def attention_tile_report(device: str) -> list[dict]:
+    """Device time of one decode attention call (the 1B shape's heads: 32 query, 8 KV, dim 64,
+    bf16, block size 16) per key tile (BLOCK_N, warps), at batch 1 and 8 and three contexts,
+    timed as `triton_kernels.gemv_wins` times the projections (a CUDA graph, K/V from HBM)."""
+    from kvflow.attention.triton_attn import _key_tile, triton_paged_attention
+    from kvflow.model.triton_kernels import _graph_us
+
+    rows = []
+    for batch, context in itertools.product((1, 8), (150, 1024, 8192)):
+        blocks_per = context // 16 + 1
+        blocks = [list(range(1 + b * blocks_per, 1 + (b + 1) * blocks_per)) for b in range(batch)]
+        meta = AttentionMetadata.build([1] * batch, [context] * batch, blocks, 16, device)
+        cache = torch.randn(2, 1 + batch * blocks_per, 16, 8, 64, device=device).bfloat16()
+        q = torch.randn(batch, 32, 64, device=device).bfloat16()
+        k, v = (torch.randn(batch, 8, 64, device=device).bfloat16() for _ in "kv")
+        default = _key_tile(q.device, True, batch * 8, 64)
+        row: dict[str, Any] = dict(batch=batch, context=context, default=list(default))
+        args = (q, k, v, cache, meta, 0.125)
+        for tile in ((64, 4), (128, 4), (256, 4), (256, 8)):
+            row[f"{tile[0]}x{tile[1]}_us"] = _graph_us(
+                functools.partial(triton_paged_attention, *args, tile=tile)
+            )
+        rows.append(row)
+        log(f"attention tiles {row}")
+    return rows
+
+
 def markdown_table(report: dict) -> str:
     def cell(value: Any, digits: int = 2) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [
         "| model | workload | kvflow (graphs) | no async scheduling | graph replay alone "
-        "| kvflow (eager) | transformers | floor | unit |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| without PDL (step / graph) | kvflow (eager) | transformers | floor | unit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report.get("timing", []):
         if "skipped" in row or "error" in row:
             what = "skipped" if "skipped" in row else "error (see JSON)"
-            lines.append(f"| {row['model']} | {row.get('workload', '')} | {what} | | | | | | |")
+            lines.append(f"| {row['model']} | {row.get('workload', '')} | {what} | | | | | | | |")
             continue
         floor = cell(row.get("floor_ms"), 3)
+        no_pdl = "-"
+        if row.get("kvflow_graphs_no_pdl") is not None:
+            no_pdl = f"{row['kvflow_graphs_no_pdl']:.2f} / {row['graph_device_ms_no_pdl']:.3f}"
         if row.get("floor_weights_ms") is not None:
             floor = f"{row['floor_weights_ms']:.3f} / {row['floor_ms']:.3f}"
         lines.append(
             f"| {row['model']} | {row['workload']} | {cell(row['kvflow_graphs'])} | "
             f"{cell(row.get('kvflow_graphs_sync'))} | {cell(row.get('graph_device_ms'), 3)} | "
-            f"{cell(row['kvflow_eager'])} | "
+            f"{no_pdl} | {cell(row['kvflow_eager'])} | "
             f"{cell(row['transformers'])} | {floor} | {row['unit']} |"
         )
     return "\n".join(lines)
@@ -1218,7 +1282,17 @@ def main(argv: list[str] | None = None) -> int:
             section_parity_and_timing(args, device, report, Path(tmp), save)
         save()
     if device == "cuda":
+        from kvflow.model import triton_kernels
+
+        report["pdl"] = triton_kernels.pdl_args()["PDL"]  # on, where the card's probe passed
+        log(f"programmatic dependent launch: {'on' if report['pdl'] else 'off'}")
         report["one_row_kernels"] = one_row_kernel_report()
+        try:  # informs the next change; fails no check
+            report["attention_tiles"] = attention_tile_report(device)
+        except Exception:
+            report["attention_tiles"] = {"error": traceback.format_exc()}
+            log(f"attention tiles: ERROR\n{report['attention_tiles']['error']}")
+        save()
     table = markdown_table(report)
     report["table"] = table
     checks = [report.get("kernel", {}).get("ok", True)]

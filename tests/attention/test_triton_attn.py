@@ -61,11 +61,11 @@ def _setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed, cache_dtype=
     return q.to(**to), k.to(**to), v.to(**to), meta, garbage.to(**to), poisoned.to(**to), unused
 
 
-def _check(q, k, v, meta, garbage, poisoned, unused, window=None):
+def _check(q, k, v, meta, garbage, poisoned, unused, window=None, tile=None):
     scale = q.shape[-1] ** -0.5
     ref_cache = garbage.clone()
     ref = paged_attention(q, k, v, ref_cache, meta, scale, sliding_window=window)
-    out = triton_paged_attention(q, k, v, poisoned, meta, scale, sliding_window=window)
+    out = triton_paged_attention(q, k, v, poisoned, meta, scale, sliding_window=window, tile=tile)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     tol = TOLERANCE[q.dtype]
@@ -112,6 +112,15 @@ def test_block_size_group_head_dim_grid(block_size, group, dim) -> None:
 def test_other_head_dims(dim) -> None:
     """Any power of two 32..256 (256 takes the narrower key tile), and a padded one (80)."""
     _check(*_setup([5, 0], [1, 3], 4, 2, dim, 16, torch.float32, seed=dim))
+
+
+@pytest.mark.parametrize("tile", [(128, 4), (256, 8)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_decode_key_tiles(tile, window) -> None:
+    """The longer key tiles a small decode batch takes on a card (`_key_tile`), over contexts
+    shorter than, equal to and longer than one tile, with and without a window."""
+    computed = [3, tile[0] - 1, tile[0] + 37]
+    _check(*_setup(computed, [1, 1, 1], 8, 2, 64, 16, torch.bfloat16, seed=tile[0]), window, tile)
 
 
 def test_layers_share_the_step_memo() -> None:
@@ -207,3 +216,51 @@ def test_decode_path_matches_reference_and_the_varlen_path(case, dtype) -> None:
 
 def _has_tile_map(meta: AttentionMetadata) -> bool:
     return any(isinstance(key, tuple) and key[0] == "triton_query_tiles" for key in meta.memo)
+
+
+def _rope(positions: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple:
+    """cos, sin [T, 1, D] as `RotaryEmbedding` gives them: views of one [T, 2, D] block."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    block = torch.stack((emb.cos(), emb.sin()), dim=1).to(dtype).to(DEVICE)
+    return block[:, :1], block[:, 1:]
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate-half, each op rounded to x's dtype (torch's eager ops)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "computed, q_lens, dim",
+    [([3, 17, 0, 40], [1, 1, 1, 1], 64), ([5, 0, 20], [1, 4, 2], 64), ([9, 2], [1, 1], 80)],
+    ids=["decode", "mixed", "decode-d80"],
+)
+def test_rotary_in_the_backend_is_rotation_then_attention(computed, q_lens, dim, dtype) -> None:
+    """`rotary=(cos, sin)` with q and k unrotated, as views of one fused projection: what the
+    reference gives for the rotated q and k, and the cache holds the rotated k (a decode
+    rotates and stores inside the attention kernel; other steps rotate q in place and k as
+    `write_kv` stores it)."""
+    hq, hkv = 4, 2
+    q, k, v, meta, garbage, poisoned, unused = _setup(
+        computed, q_lens, hq, hkv, dim, 16, dtype, seed=sum(computed) + dim
+    )
+    positions = torch.tensor(
+        [c + i for c, n in zip(computed, q_lens, strict=True) for i in range(n)]
+    )
+    cos, sin = _rope(positions, dim, dtype)
+    fused = torch.cat([q, k, v], dim=1)  # [T, Hq + 2 Hkv, D]: strided views, as llama.py
+    q_view, k_view, v_view = fused[:, :hq], fused[:, hq : hq + hkv], fused[:, hq + hkv :]
+    scale = dim**-0.5
+    ref_cache = garbage.clone()
+    ref = paged_attention(_rotated(q, cos, sin), _rotated(k, cos, sin), v, ref_cache, meta, scale)
+    k_before = k_view.clone()
+    out = triton_paged_attention(q_view, k_view, v_view, poisoned, meta, scale, rotary=(cos, sin))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    expected = ref_cache.masked_fill(unused.to(ref_cache.device), float("nan"))
+    torch.testing.assert_close(poisoned, expected, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(k_view, k_before)  # k is stored rotated, not rotated in place

@@ -130,3 +130,37 @@ def test_one_row_linear_takes_the_faster_kernel_and_agrees(n, k) -> None:
     exact = x.double() @ w.double().T
     bound = exact.abs() * 2.0**-8 + (x.double().abs() @ w.double().abs().T) * k * 2.0**-23
     assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+def test_programmatic_dependent_launch_is_on_where_the_card_has_it() -> None:
+    """sm_90 and newer: the probe (a chain of PDL launches, eager and in a graph) passes, so
+    the decode kernels launch with PDL; older cards launch them plainly."""
+    from kvflow.model import triton_kernels
+
+    has_it = torch.cuda.get_device_capability() >= (9, 0)
+    assert triton_kernels.pdl_args() == dict(PDL=has_it, launch_pdl=has_it)
+
+
+def test_greedy_sampling_on_the_card_matches_the_cpu() -> None:
+    """The CUDA sampler's two kernels (`triton_kernels.argmax_rows`) give the CPU sampler's
+    tokens and bad rows: ties, a NaN, +inf, all -inf, a masked -inf."""
+    from kvflow.sampling_params import SamplingParams
+    from kvflow.worker.sampler import SamplingMetadata, TokenHistory, sample
+
+    rows, vocab = 6, 128256
+    logits = torch.randint(0, 3, (rows, vocab), generator=torch.Generator().manual_seed(3))
+    logits = logits.float()
+    logits[1, 77] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :1000] = float("-inf")
+    history = TokenHistory.from_lists([[]] * rows, [[]] * rows)
+    params = [SamplingParams(temperature=0.0)] * rows
+    outs = []
+    for device in ("cpu", "cuda"):
+        meta = SamplingMetadata.build(
+            params, history, [None] * rows, eos_token_id=0, vocab_size=vocab, device=device
+        )
+        out = sample(logits.to(device), meta)
+        outs.append((out.token_ids, out.bad_rows))
+    assert outs[1] == outs[0] and outs[0][1] == [1, 2, 3]

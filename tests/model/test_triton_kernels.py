@@ -146,6 +146,51 @@ def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
     torch.testing.assert_close(fused, plain, atol=tol * plain.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "mistral-window"])
+def test_models_with_the_triton_backend_give_the_reference_logits(arch) -> None:
+    """Llama (llama3 rope), Qwen3 (q/k norm, a windowed layer), Mistral (window) through the
+    Triton backend, which rotates q and k itself (`fuses_rotary`): the torch reference
+    backend's logits for a prefill, then decodes, then a mixed step."""
+    from test_models import _configs
+
+    from kvflow.attention import AttentionMetadata, paged_attention, token_positions
+    from kvflow.attention.triton_attn import triton_paged_attention
+    from kvflow.model import allocate_kv_caches
+    from kvflow.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
+
+    config = _configs()[arch]
+    cls = {"llama3": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}.get(arch, MistralForCausalLM)
+    torch.manual_seed(0)
+    models = []
+    for backend in (triton_paged_attention, paged_attention):
+        with torch.device(DEVICE):
+            models.append(cls(config, attn_backend=backend))
+    for p in models[0].parameters():
+        p.data.normal_(0, 0.3)
+    models[1].load_state_dict(models[0].state_dict())
+    assert models[0].model.layers[0].self_attn.attn.fuses_rotary
+    ids = torch.randint(0, config.vocab_size, (2, 12), device=DEVICE)
+    # (query lengths, computed) per step of two requests: prefill, decodes, a mixed step
+    steps = [([7, 5], [0, 0]), ([1, 1], [7, 5]), ([1, 1], [8, 6]), ([2, 1], [9, 7])]
+    logits = []
+    for model in models:
+        caches = allocate_kv_caches(config, 8, 4, torch.float32, DEVICE)
+        rows = []
+        with torch.inference_mode():
+            for q_lens, computed in steps:
+                meta = AttentionMetadata.build(q_lens, computed, [[1, 2, 3], [4, 5, 6]], 4, DEVICE)
+                tokens = torch.cat(
+                    [
+                        ids[b, c : c + n]
+                        for b, (n, c) in enumerate(zip(q_lens, computed, strict=True))
+                    ]
+                )
+                pos = torch.from_numpy(token_positions(q_lens, computed)).to(DEVICE)
+                rows.append(model.compute_logits(model(tokens, pos, caches, meta)))
+        logits.append(torch.cat(rows))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
 def _gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
     """(exact result in float64, bound on |kernel - exact|): half a bf16/fp16 step of the
     result (its rounding) plus float32 accumulation error over K products."""
@@ -185,7 +230,15 @@ def _config_kwargs(config) -> dict:
     return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-@pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS[:3], ids=str)
+# the first configs give each program one tile; the walking ones (PER_SM 1: 4 programs under
+# the interpreter, see `sm_count`) several
+SOME_CONFIGS = (
+    triton_kernels._GEMV_CONFIGS[:3]
+    + [c for c in triton_kernels._GEMV_CONFIGS if c.kwargs["PER_SM"] == 1][:2]
+)
+
+
+@pytest.mark.parametrize("config", SOME_CONFIGS, ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_gemv_is_rms_norm_then_gemv(config, with_residual) -> None:
     """The fused norm gives the row `rms_norm` gives (up to its sum of squares, added in
@@ -211,12 +264,13 @@ def test_rms_norm_gemv_is_rms_norm_then_gemv(config, with_residual) -> None:
     assert float((out.float() - expected.float()).abs().max()) <= 1e-2 * float(expected.abs().max())
 
 
-@pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS[:4], ids=str)
+@pytest.mark.parametrize("config", SOME_CONFIGS, ids=str)
 @pytest.mark.parametrize("bias", [False, True])
-def test_gated_rms_norm_gemv_is_silu_mul_of_its_projection(config, bias) -> None:
+@pytest.mark.parametrize("inner, k", [(20, 300), (6, 9000)])
+def test_gated_rms_norm_gemv_is_silu_mul_of_its_projection(config, bias, inner, k) -> None:
     """gated=True: silu(gate) * up of the gate | up projection, exactly what `silu_mul` makes
-    of the same kernel's ungated output (the same sums, rounded at the same points)."""
-    inner, k = 20, 300
+    of the same kernel's ungated output (the same sums, rounded at the same points); K in one
+    pass (the weight rows loaded first) or, past 8192 columns, two."""
     gen = torch.Generator().manual_seed(13 + bias)
     x, residual = (torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16) for _ in "xr")
     norm_w = (torch.rand(k, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
@@ -235,7 +289,7 @@ def test_gated_rms_norm_gemv_is_silu_mul_of_its_projection(config, bias) -> None
 def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     """A tiny bf16 Llama's one-token decode step as on a card where every one-row kernel wins
     (`gemv_wins` answering yes): each projection goes through gemv or rms_norm_gemv (gated for
-    gate | up), each question names the (row, weight) pair it multiplies, both timed
+    gate | up; float32 out for the logits), each question names the (row, weight) pair it multiplies, both timed
     alternatives run (and agree, but for the norms', timed without the residual), and the
     logits are those of the same step through the separate kernels."""
     from test_models import LLAMA_LIKE, VOCAB
@@ -262,7 +316,8 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
         depth.append(1)  # `theirs` asks again about its own projection: not recorded
         a, b = ours(), theirs()  # the same projection (the norms' are timed without residual)
         depth.pop()
-        if what == "linear":
+        if what in ("linear", "logits"):  # logits: float32 from the kernel, as the fallback
+            assert a.dtype == b.dtype == (torch.float32 if what == "logits" else torch.bfloat16)
             torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
         return use_gemv
 
@@ -284,28 +339,56 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     use_gemv, asked = True, []
     fused = decode_logits()
     per_layer = ["norm", "linear", "norm+silu", "linear"]  # qkv, o_proj, gate_up, down
-    assert asked == per_layer * config.num_hidden_layers + ["linear"]  # then the logits head
+    assert asked == per_layer * config.num_hidden_layers + ["logits"]  # then the logits head
+    assert fused.dtype == torch.float32
     torch.testing.assert_close(fused, separate, atol=2e-2 * separate.abs().max().item(), rtol=0)
 
 
 def test_gemv_tiles_are_kept_to_64_elements_per_thread() -> None:
-    configs = triton_kernels._GEMV_CONFIGS
-    kept = triton_kernels._fitting_configs(configs, {}, BLOCK_K=2048, GATED=False)
-    assert {(c.kwargs["BLOCK_N"], c.num_warps) for c in kept} == {
-        (1, 4),
-        (2, 4),
-        (4, 4),
-        (1, 8),
-        (2, 8),
-        (4, 8),
-        (8, 8),
+    """A tile [BLOCK_N, BLOCK_K] (two with gate | up) holds at most 64 elements per thread; a
+    program that walks tiles (PER_SM > 0) holds two tiles, and walks only where K is one pass."""
+
+    def kept(block_k: int, gated: bool = False, one_pass: bool = True) -> set:
+        configs = triton_kernels._fitting_configs(
+            triton_kernels._GEMV_CONFIGS, {}, BLOCK_K=block_k, GATED=gated, ONE_PASS=one_pass
+        )
+        return {(c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["PER_SM"]) for c in configs}
+
+    one_tile = {(1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8), (8, 8)}
+    two_tiles = {(1, 4), (2, 4), (1, 8), (2, 8), (4, 8)}
+    walking = {(n, w, p) for n, w in two_tiles for p in (1, 4)}
+    assert kept(2048) == {(n, w, 0) for n, w in one_tile} | walking
+    assert kept(2048, gated=True) == {(n, w, 0) for n, w in two_tiles} | {
+        (n, w, p) for n, w in {(1, 4), (1, 8), (2, 8)} for p in (1, 4)
     }
-    assert len(triton_kernels._fitting_configs(configs, {}, BLOCK_K=8192, GATED=False)) == 3
-    gated = triton_kernels._fitting_configs(configs, {}, BLOCK_K=2048, GATED=True)  # two tiles
-    assert {(c.kwargs["BLOCK_N"], c.num_warps) for c in gated} == {
-        (1, 4),
-        (2, 4),
-        (1, 8),
-        (2, 8),
-        (4, 8),
-    }
+    assert kept(8192, one_pass=False) == {(1, 4, 0), (1, 8, 0), (2, 8, 0)}
+
+
+@pytest.mark.parametrize("vocab", [5000, 2048, 4097, 7, 1], ids=str)
+def test_argmax_rows_is_torch_argmax_and_the_bad_flag(vocab: int) -> None:
+    """torch.argmax's index (the first of tied maxima, inside and across chunks; the first NaN)
+    and the flag of rows whose maximum is not finite, at batch 1 and larger."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(5, vocab, generator=gen)]
+    ties = torch.randint(0, 3, (6, vocab), generator=gen).float()  # many tied maxima per row
+    ties[5] = -1.5  # every entry tied
+    rows.append(ties)
+    few = torch.full((4, vocab), -3.0)
+    for r, cols in enumerate(([vocab - 1], [0, vocab - 1], [vocab // 2, vocab - 1], [0])):
+        few[r, cols] = 2.0  # the maximum at the chunk edges, twice in different chunks
+    rows.append(few)
+    odd = torch.randn(6, vocab, generator=gen)
+    odd[0, [vocab // 3, vocab - 1]] = float("nan")  # torch.argmax: the first NaN
+    odd[1, vocab - 1] = float("nan")
+    odd[2, vocab // 2] = float("inf")
+    odd[3] = float("-inf")  # all -inf: bad
+    odd[4, : vocab // 2] = float("-inf")  # a -inf beside finite logits: fine
+    odd[5, 0] = float("-inf")
+    rows.append(odd)
+    for logits in rows:
+        for batch in (logits[:1], logits):
+            out = triton_kernels.argmax_rows(batch.to(DEVICE))
+            assert out.shape == (2, batch.shape[0]) and out.dtype == torch.int64
+            assert torch.equal(out[0].cpu(), batch.argmax(dim=-1))
+            bad = ~torch.isfinite(batch.amax(dim=-1))
+            assert torch.equal(out[1].cpu(), bad.long())

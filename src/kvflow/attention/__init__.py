@@ -5,6 +5,11 @@ A backend is any callable with `paged_attention`'s signature
 -> [T, Hq, D]` that writes k/v into the cache and attends over each request's context.
 `sliding_window` is only ever passed for models that use one, so a backend without window
 support fails loudly (TypeError) instead of silently attending too far.
+
+A backend with the attribute `fuses_rotary = True` (the Triton one) may also be passed
+`rotary=(cos, sin)`: q and k then arrive unrotated, and the backend rotates them (rotate-half,
+rounded as the model's `apply_rotary` rounds) before it stores k and attends; q may be rotated
+in place. Other backends get q and k rotated by the model.
 """
 
 from __future__ import annotations

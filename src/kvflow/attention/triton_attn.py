@@ -23,6 +23,14 @@ query_start_loc is 0, 1, .., B) take the DECODE path: grid (B, Hkv), program i i
 tile_start 0, and no tile map is built or read. This is the CUDA graphs' step, where the map's
 dozen small torch ops would be replayed every step (~25 us on an H200).
 
+Rotary (`rotary=(cos, sin)`, as `PagedAttention` passes it to a backend with
+`fuses_rotary`): q and k arrive unrotated. A decode step rotates them inside the attention
+kernel: program (request, KV head) rotates its query heads as it loads them, rotates its KV
+head's k, stores it and v at the token's slot, and (a barrier later, so every thread of the
+program sees those stores) attends; the rotary and K/V write kernels are gone from the step.
+Other steps rotate q in place (`rotary_`) and k as `write_kv` stores it. Either way the
+rotation rounds as `rotary_` (and transformers) rounds, compiled without fused multiply-adds.
+
 Key loop: a program walks its request's context by token position, BLOCK_N keys at a time, from
 the first key any of its queries can see (0, or the sliding window's start) to its last query's
 position. Key position p is read through the block table at block p // block_size, offset
@@ -38,6 +46,7 @@ import triton
 import triton.language as tl
 
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.model.triton_kernels import contiguous_rows, pdl_args, pdl_start, rotary_, sm_count
 
 _LOG2E = 1.4426950408889634
 
@@ -46,13 +55,19 @@ _LOG2E = 1.4426950408889634
 def _paged_attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_req_ptr, tile_start_ptr,
+    k_ptr, v_ptr, slot_ptr, cos_ptr, sin_ptr,
     qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DECODE: tl.constexpr,
+    ROTARY: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """ROTARY (DECODE only): k_ptr/v_ptr/slot_ptr/cos_ptr/sin_ptr are the step's unrotated
+    k, its v, slots and cos/sin rows (see the module docstring); otherwise never read."""
+    pdl_start(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     if DECODE:  # one query token per request: program i is request i, its token i
@@ -78,9 +93,24 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
 
-    q_offsets = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q_rows = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
     io_mask = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
+    q = tl.load(q_ptr + q_rows + dims[None, :], mask=io_mask, other=0.0)
+    if ROTARY:  # decode: rotate q and this head's k, store k and v at the token's slot
+        swap = _swapped_halves(dims, HEAD_DIM)
+        cos = tl.load(cos_ptr + req * stride_ct + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + req * stride_st + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        q_swapped = tl.load(q_ptr + q_rows + swap[None, :], mask=io_mask, other=0.0)
+        q = _rotate(q, q_swapped, cos[None, :], sin[None, :], dims[None, :], HEAD_DIM)
+        k_row = k_ptr + req * stride_kt + kv_head * stride_kh
+        k_new = tl.load(k_row + dims, mask=dim_ok, other=0.0)
+        k_new = _rotate(k_new, tl.load(k_row + swap, mask=dim_ok), cos, sin, dims, HEAD_DIM)
+        v_new = tl.load(v_ptr + req * stride_vt + kv_head * stride_vh + dims, mask=dim_ok)
+        dst = tl.load(slot_ptr + req).to(tl.int64) * stride_cache_offset
+        dst += kv_head * stride_cache_head + dims
+        tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_ok)
+        tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=dim_ok)
+        tl.debug_barrier()  # the stores are visible to every thread of this program
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
@@ -125,26 +155,60 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _swapped_halves(dims, HEAD_DIM: tl.constexpr):
+    """The dim each dim's rotate_half partner sits at: d + D/2 below D/2, d - D/2 above."""
+    return tl.where(dims < HEAD_DIM // 2, dims + HEAD_DIM // 2, dims - HEAD_DIM // 2)
+
+
+@triton.jit
+def _rotate(x, x_swapped, cos, sin, dims, HEAD_DIM: tl.constexpr):
+    """x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype, as
+    `triton_kernels.rotary_` computes it (x_swapped: x at `_swapped_halves`)."""
+    dtype = x.dtype
+    partner = x_swapped.to(tl.float32)
+    partner = tl.where(dims < HEAD_DIM // 2, -partner, partner)
+    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    return (a + (partner * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_slot, stride_cache_head,
+    stride_ct, stride_st,
     HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    ROTARY: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
     mask = (heads < HEADS) & (dims < HEAD_DIM)
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
-    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    k_rows = k_ptr + token * stride_kt + heads * stride_kh
+    k = tl.load(k_rows + dims, mask=mask)
+    if ROTARY:  # k is stored rotated (k itself is left as it was)
+        dim_ok = dims < HEAD_DIM
+        cos = tl.load(cos_ptr + token * stride_ct + dims, mask=dim_ok, other=0.0)
+        sin = tl.load(sin_ptr + token * stride_st + dims, mask=dim_ok, other=0.0)
+        swapped = tl.load(k_rows + _swapped_halves(dims, HEAD_DIM), mask=mask)
+        k = _rotate(k, swapped, cos.to(tl.float32), sin.to(tl.float32), dims, HEAD_DIM)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """`torch_ref.write_kv_cache` in one kernel: k/v [T, Hkv, D] (rows may be strided, as the
-    fused projection leaves them) into `kv_cache` [2, blocks, block_size, Hkv, D] at `slots`."""
+    fused projection leaves them) into `kv_cache` [2, blocks, block_size, Hkv, D] at `slots`;
+    with `rotary` (cos, sin [T, 1, D]) k is stored rotated."""
     tokens, heads, head_dim = k.shape
     if not tokens:
         return
@@ -152,11 +216,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
         k, v = k.contiguous(), v.contiguous()
     if kv_cache.stride(4) != 1 or kv_cache.stride(3) != head_dim:
         raise ValueError("kv_cache must be packed over heads and head_dim")
+    cos, sin = (k, k) if rotary is None else (contiguous_rows(t, tokens, head_dim) for t in rotary)
     _write_kv_kernel[(tokens,)](
-        k, v, kv_cache[0], kv_cache[1], slots,
+        k, v, kv_cache[0], kv_cache[1], slots, cos, sin,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        cos.stride(0), sin.stride(0),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads),
         HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
+        ROTARY=rotary is not None, enable_fp_fusion=rotary is None, **pdl_args(),
     )  # fmt: skip
 
 
@@ -185,9 +252,20 @@ def triton_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Drop-in for `torch_ref.paged_attention`: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-    write_kv(k, v, kv_cache, meta.slot_mapping)
+    """Drop-in for `torch_ref.paged_attention`: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+    `rotary` (cos, sin [T, 1, D]): q and k are not rotated yet (see the module docstring; q
+    may be rotated in place). `tile` (BLOCK_N keys, warps) overrides `_key_tile`'s choice
+    (benchmarks compare them)."""
+    decode = meta.max_query_len == 1
+    fused = rotary is not None and decode  # the attention kernel rotates and writes k/v
+    if rotary is not None and not decode:
+        rotary_(q, *rotary)
+    if not fused:
+        write_kv(k, v, kv_cache, meta.slot_mapping, rotary)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_reqs == 0 or q.shape[0] == 0:
         return out
@@ -208,22 +286,46 @@ def triton_paged_attention(
     q_tokens = min(triton.next_power_of_2(meta.max_query_len), max(1, 64 // group_pad))
     block_m = max(16, group_pad * q_tokens)
     block_q = block_m // group_pad
-    decode = meta.max_query_len == 1
     if decode:  # no tile map: program i is request i (the pointers are never read)
         tile_req = tile_start = meta.seq_lens
         grid = (meta.num_reqs, num_kv_heads)
     else:
         tile_req, tile_start = _query_tiles(meta, num_tokens, block_q)
         grid = (tile_req.shape[0], num_kv_heads)
+    block_n, warps = tile or _key_tile(q.device, decode, grid[0] * grid[1], head_pad)
+    if fused:
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        cos, sin = (contiguous_rows(t, num_tokens, head_dim) for t in rotary)
+    else:  # never read
+        k = v = cos = sin = q
     block_table = meta.block_tables
     _paged_attention_kernel[grid](
         q, out, kv_cache[0], kv_cache[1],
         block_table, meta.query_start_loc, meta.seq_lens, tile_req, tile_start,
+        k, v, meta.slot_mapping, cos, sin,
         scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=32 if head_pad > 128 else 64, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=meta.block_size, HAS_WINDOW=sliding_window is not None, DECODE=decode,
+        ROTARY=fused, num_warps=warps, enable_fp_fusion=not fused, **pdl_args(),
     )  # fmt: skip
     return out
+
+
+triton_paged_attention.fuses_rotary = True  # type: ignore[attr-defined]  # see `rotary`
+
+
+def _key_tile(device: torch.device, decode: bool, programs: int, head_pad: int) -> tuple:
+    """(BLOCK_N, warps): keys per iteration of a program's walk over its context. A decode step
+    with fewer programs than the card has SMs (batch 1: one per KV head) is a chain of
+    dependent loads per program, so its programs take longer key tiles: 256 keys for head dims
+    up to 64 (on an H200, batch 1 and 8, contexts 150 to 8192: 0.8x the time of 128 keys and
+    0.45-0.8x that of 64; benchmarks/RESULTS.md 2026-12-01), twice the usual tile above."""
+    block_n = 32 if head_pad > 128 else 64
+    if decode and device.type == "cuda" and programs < sm_count(device):
+        block_n *= 4 if head_pad <= 64 else 2
+    return block_n, 4

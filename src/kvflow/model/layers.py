@@ -102,6 +102,26 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def logits_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    native: torch.Tensor | None,
+) -> torch.Tensor:
+    """float32 logits of hidden rows x [N, hidden] by the head's weight [vocab, hidden]:
+    `linear` in the model's dtype, then float32. A decode row on CUDA stores its logits in
+    float32 straight from the one-row kernel where that wins, saving the conversion's kernel."""
+    ops = _one_row_ops(x)
+    if ops is not None:
+
+        def gemv() -> torch.Tensor:
+            return ops.gemv(x, weight, None, out_dtype=torch.float32)
+
+        if ops.gemv_wins("logits", x, weight, None, gemv, lambda: F.linear(x, weight).float()):
+            return gemv()
+    return linear(x, weight, None, packed, native).float()
+
+
 def _one_row_ops(x: torch.Tensor) -> ModuleType | None:
     """The Triton kernels for one row on CUDA (a decode step at batch 1), whose one-row
     projections (`gemv`, and `rms_norm_gemv` with the norm inside) may beat cuBLAS; else None."""
@@ -426,6 +446,8 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend: AttentionBackend = backend or paged_attention
+        # the backend rotates q and k itself (see kvflow.attention): `rotary` is passed on
+        self.fuses_rotary = bool(getattr(self.backend, "fuses_rotary", False))
 
     def forward(
         self,
@@ -434,13 +456,17 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq*D] or [T, Hq, D], k/v likewise with Hkv -> [T, Hq*D]."""
+        """q [T, Hq*D] or [T, Hq, D], k/v likewise with Hkv -> [T, Hq*D]. `rotary` (cos, sin):
+        q and k are not rotated yet; only for a backend that `fuses_rotary`."""
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        extra = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        extra: dict = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        if rotary is not None:
+            extra["rotary"] = rotary
         out = self.backend(q, k, v, kv_cache, meta, self.scale, **extra)
         return out.reshape(tokens, self.num_heads * self.head_dim)
 

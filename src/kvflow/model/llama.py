@@ -31,7 +31,7 @@ from kvflow.model.layers import (
     RotaryEmbedding,
     activation,
     apply_rotary,
-    linear,
+    logits_linear,
     norm_linear,
 )
 
@@ -102,10 +102,14 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((q, k), dim=1)
         else:  # q and k are adjacent in the fused output: rotate both in one pass
             qk = qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim)
-        qk = apply_rotary(qk, cos, sin)
         v = qkv[:, heads * self.head_dim :].reshape(tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, meta)
-        return self.o_proj(out)
+        rotary = None
+        if self.attn.fuses_rotary:  # the backend rotates q and k (a decode: in its kernel)
+            rotary = (cos, sin)
+        else:
+            qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, rotary))
 
 
 class LlamaMLP(nn.Module):
@@ -232,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.logits_weight()
-        return linear(hidden, weight, None, self.head_packed, self.head_native).float()
+        return logits_linear(hidden, weight, self.head_packed, self.head_native)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -20,7 +20,7 @@ from kvflow.model.layers import (
     MergedLinear,
     PagedAttention,
     activation,
-    linear,
+    logits_linear,
 )
 
 # OPT's position table has two extra leading rows: position p reads row p + 2.
@@ -158,4 +158,4 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, word_embed_proj_dim] -> float32 logits [N, vocab]."""
         weight = self.logits_weight()
-        return linear(hidden, weight, None, self.head_packed, self.head_native).float()
+        return logits_linear(hidden, weight, self.head_packed, self.head_native)

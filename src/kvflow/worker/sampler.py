@@ -3,7 +3,8 @@
 `sample()` is a chain of pure tensor functions with no host synchronisation; the only
 device -> host copies happen when a caller reads `SamplerOutput.token_ids` (with the bad rows,
 in one copy) or `.logprobs`. An all-greedy batch without penalties is one chunked reduction
-(`row_argmax`) that gives both the tokens and the bad rows.
+(`row_argmax`) that gives both the tokens and the bad rows; on CUDA two Triton kernels
+(`triton_kernels.argmax_rows`), which also lay out the block the host copies.
 `SamplingMetadata.build()` runs every step, so it only makes the tensors a batch needs.
 """
 
@@ -233,12 +234,14 @@ class SamplerOutput:
     """Sampled ids stay on the device; the list views copy to the host when first read."""
 
     sampled: Tensor  # int64 [B]
-    # bool [B]: the row's raw logits held NaN or +inf, or were all -inf (its maximum is not
-    # finite); a -inf beside finite logits is fine (a masked token)
+    # [B], nonzero (bool, or int64 1 on CUDA) where the row's raw logits held NaN or +inf, or
+    # were all -inf (its maximum is not finite); a -inf beside finite logits is fine (masked)
     bad_mask: Tensor
     # (sampled logprob, its rank, top-n ids, top-n logprobs) when any row asked for logprobs.
     logprob_tensors: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
     num_logprobs: list[int | None] | None = None
+    # int64 [2, B]: sampled | bad flags in one block, where one kernel made both (CUDA, greedy)
+    ids_and_bad: Tensor | None = None
     _host: list[Tensor] | None = None  # what the host reads, copied by `to_host`
     _copied: torch.cuda.Event | None = None
 
@@ -246,7 +249,10 @@ class SamplerOutput:
         """Queue the copies of what the host will read (ids and bad rows in one tensor, then
         logprobs) right behind the sampler. Read later, they wait for this step only, not for
         work queued after it (the next step, with async scheduling)."""
-        tensors = [torch.stack((self.sampled, self.bad_mask.to(self.sampled.dtype)))]
+        block = self.ids_and_bad
+        if block is None:
+            block = torch.stack((self.sampled, self.bad_mask.to(self.sampled.dtype)))
+        tensors = [block]
         tensors += self.logprob_tensors or ()
         if self.sampled.device.type != "cuda":
             self._host = tensors
@@ -307,26 +313,39 @@ def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (float32); `logits` is not modified."""
     logits = logits.float()
     # One reduction of the raw logits: the bad rows, and the greedy tokens unless penalised.
-    argmax, row_max = row_argmax(logits)
-    # not finite: x - x is NaN for NaN and +-inf (2 kernels on a GPU; ~isfinite() takes 5)
-    bad_mask = (row_max - row_max).ne(0)
+    argmax, bad_mask, ids_and_bad = _argmax_and_bad(logits)
     processed = logits
     if meta.has_penalties or meta.min_tokens_mask is not None or meta.logit_bias is not None:
         processed = apply_penalties(logits.clone(), meta)
+        ids_and_bad = None  # its argmax row is not the greedy tokens
         if not meta.all_random:
-            argmax = row_argmax(processed)[0]
+            argmax = _argmax_and_bad(processed)[0]
     if meta.all_greedy:
         sampled = argmax
     else:
         assert meta.temperature is not None
         sampled = _sample_random(processed, meta)
+        ids_and_bad = None
         if not meta.all_random:
             sampled = torch.where(meta.temperature < _GREEDY_EPS, argmax, sampled)
-    out = SamplerOutput(sampled=sampled, bad_mask=bad_mask)
+    out = SamplerOutput(sampled=sampled, bad_mask=bad_mask, ids_and_bad=ids_and_bad)
     if meta.max_num_logprobs is not None:
         out.logprob_tensors = compute_logprobs(logits, sampled, meta.max_num_logprobs)
         out.num_logprobs = meta.num_logprobs
     return out
+
+
+def _argmax_and_bad(logits: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(argmax [B], bad flags [B], both as one int64 [2, B] block or None): on CUDA from two
+    Triton kernels (`triton_kernels.argmax_rows`), elsewhere from `row_argmax`."""
+    if logits.is_cuda:
+        from kvflow.model import triton_kernels  # triton is only installed with CUDA
+
+        ids_and_bad = triton_kernels.argmax_rows(logits)
+        return ids_and_bad[0], ids_and_bad[1], ids_and_bad
+    argmax, row_max = row_argmax(logits)
+    # not finite: x - x is NaN for NaN and +-inf (2 kernels on a GPU; ~isfinite() takes 5)
+    return argmax, (row_max - row_max).ne(0), None
 
 
 def row_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
