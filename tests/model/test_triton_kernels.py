@@ -230,11 +230,11 @@ def _config_kwargs(config) -> dict:
     return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-# the first configs give each program one tile; the walking ones (PER_SM 1: 4 programs under
+# the first configs give each program one tile; the walking ones (PER_SM 4: 16 programs under
 # the interpreter, see `sm_count`) several
 SOME_CONFIGS = (
     triton_kernels._GEMV_CONFIGS[:3]
-    + [c for c in triton_kernels._GEMV_CONFIGS if c.kwargs["PER_SM"] == 1][:2]
+    + [c for c in triton_kernels._GEMV_CONFIGS if c.kwargs["PER_SM"]][:2]
 )
 
 
@@ -286,10 +286,25 @@ def test_gated_rms_norm_gemv_is_silu_mul_of_its_projection(config, bias, inner, 
     assert torch.equal(stream, same_stream) and torch.equal(stream, x + residual)
 
 
-def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
+@pytest.mark.parametrize("config", SOME_CONFIGS, ids=str)
+def test_gated_gemv_is_silu_mul_of_the_projection(config) -> None:
+    """gemv(gated=True) without a norm: exactly `silu_mul` of the ungated kernel's output."""
+    inner, k = 20, 300
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (0.2 * torch.randn(2 * inner, k, generator=gen)).to(DEVICE, torch.bfloat16)
+    kwargs = _config_kwargs(config)
+    act = triton_kernels.gemv(x, w, None, kwargs, gated=True)
+    assert act.shape == (1, inner)
+    assert torch.equal(act, triton_kernels.silu_mul(triton_kernels.gemv(x, w, None, kwargs)))
+
+
+@pytest.mark.parametrize("norm_fusion", [True, False], ids=["no-pdl", "pdl"])
+def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch, norm_fusion) -> None:
     """A tiny bf16 Llama's one-token decode step as on a card where every one-row kernel wins
     (`gemv_wins` answering yes): each projection goes through gemv or rms_norm_gemv (gated for
-    gate | up; float32 out for the logits), each question names the (row, weight) pair it multiplies, both timed
+    gate | up; float32 out for the logits; with PDL, `norm_fusion_pays` says no: the norms'
+    own kernels, then gemv, gated for gate | up), each question names the (row, weight) pair it multiplies, both timed
     alternatives run (and agree, but for the norms', timed without the residual), and the
     logits are those of the same step through the separate kernels."""
     from test_models import LLAMA_LIKE, VOCAB
@@ -324,6 +339,7 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     monkeypatch.setattr(layers, "fused_ops", lambda *tensors: triton_kernels)
     monkeypatch.setattr(layers, "_one_row_ops", lambda x: triton_kernels if len(x) == 1 else None)
     monkeypatch.setattr(triton_kernels, "gemv_wins", wins)
+    monkeypatch.setattr(triton_kernels, "norm_fusion_pays", lambda: norm_fusion)
 
     def decode_logits() -> torch.Tensor:
         caches = allocate_kv_caches(config, 4, 16, torch.bfloat16, DEVICE)
@@ -339,6 +355,8 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch) -> None:
     use_gemv, asked = True, []
     fused = decode_logits()
     per_layer = ["norm", "linear", "norm+silu", "linear"]  # qkv, o_proj, gate_up, down
+    if not norm_fusion:
+        per_layer = ["linear", "linear", "silu", "linear"]
     assert asked == per_layer * config.num_hidden_layers + ["logits"]  # then the logits head
     assert fused.dtype == torch.float32
     torch.testing.assert_close(fused, separate, atol=2e-2 * separate.abs().max().item(), rtol=0)
@@ -356,10 +374,10 @@ def test_gemv_tiles_are_kept_to_64_elements_per_thread() -> None:
 
     one_tile = {(1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8), (8, 8)}
     two_tiles = {(1, 4), (2, 4), (1, 8), (2, 8), (4, 8)}
-    walking = {(n, w, p) for n, w in two_tiles for p in (1, 4)}
+    walking = {(n, w, 4) for n, w in two_tiles}
     assert kept(2048) == {(n, w, 0) for n, w in one_tile} | walking
     assert kept(2048, gated=True) == {(n, w, 0) for n, w in two_tiles} | {
-        (n, w, p) for n, w in {(1, 4), (1, 8), (2, 8)} for p in (1, 4)
+        (n, w, 4) for n, w in {(1, 4), (1, 8), (2, 8)}
     }
     assert kept(8192, one_pass=False) == {(1, 4, 0), (1, 8, 0), (2, 8, 0)}
 

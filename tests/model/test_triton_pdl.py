@@ -60,10 +60,11 @@ for decode, rotary in ((True, False), (False, False), (True, True)):
              HEAD_PAD=64, BLOCK_SIZE=16, HAS_WINDOW=False, DECODE=decode, ROTARY=rotary))
 GEMV = dict(x_ptr=P16, w_ptr=P16, bias_ptr=P16, out_ptr=P16, res_ptr=P16, res_out_ptr=P16,
     norm_w_ptr=P16, eps="fp32", N=I32, K=I32, stride_w=I32)
-for one_pass, gated in ((True, False), (True, True), (False, False)):
-    CASES[f"gemv one_pass={one_pass} gated={gated}"] = (tk._gemv_kernel, GEMV, dict(
-        HAS_BIAS=False, NORM=True, HAS_RESIDUAL=True, GATED=gated, BLOCK_N=4, BLOCK_K=2048,
-        ONE_PASS=one_pass))
+for one_pass, gated, per_sm in ((True, False, 0), (True, True, 0), (True, True, 4),
+                                (False, False, 0)):
+    CASES[f"gemv one_pass={one_pass} gated={gated} per_sm={per_sm}"] = (tk._gemv_kernel, GEMV,
+        dict(HAS_BIAS=False, NORM=True, HAS_RESIDUAL=True, GATED=gated, BLOCK_N=4,
+             BLOCK_K=2048, ONE_PASS=one_pass, PER_SM=per_sm))
 
 def before_wait(ptx):
     # (loads, stores) of global memory before the first griddepcontrol.wait (all: no wait)
@@ -100,7 +101,7 @@ def compiled() -> dict:
 
 def test_every_kernel_waits_before_it_stores_or_reads_what_a_kernel_wrote(compiled) -> None:
     with_pdl = {name: r for name, r in compiled.items() if name.endswith("pdl=True")}
-    assert len(with_pdl) == 13
+    assert len(with_pdl) == 14
     for name, r in with_pdl.items():
         assert r["wait"] >= 1 and r["launch"] >= 1, name
         assert r["stores"] == 0, name
@@ -110,6 +111,6 @@ def test_every_kernel_waits_before_it_stores_or_reads_what_a_kernel_wrote(compil
 
 def test_without_the_flag_no_kernel_holds_a_pdl_instruction(compiled) -> None:
     without = {name: r for name, r in compiled.items() if name.endswith("pdl=False")}
-    assert len(without) == 13
+    assert len(without) == 14
     for name, r in without.items():
         assert r["wait"] == 0 and r["launch"] == 0, name

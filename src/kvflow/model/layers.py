@@ -289,27 +289,50 @@ def norm_linear(
     silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(proj(norm(x + residual)), the residual stream x + residual); `residual` None: the first
-    layer, whose stream is x. `silu`: proj is gate | up and the result silu(gate) * up. One
-    kernel for a decode row where that beats the separate ones (timed once per shape)."""
+    layer, whose stream is x. `silu`: proj is gate | up and the result silu(gate) * up. A
+    decode row on CUDA makes the norm inside the projection's kernel where that beats the
+    separate kernels (timed once per shape; only without PDL, see `norm_fusion_pays`)."""
     ops = _one_row_ops(x)
-    if ops is not None and (residual is None or residual.is_contiguous()):
-        weight, bias = proj.weight, proj.bias
+    if ops is not None and ops.norm_fusion_pays():
+        if residual is None or residual.is_contiguous():
+            weight, bias = proj.weight, proj.bias
 
-        def fused() -> tuple[torch.Tensor, torch.Tensor]:
-            return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, weight, bias, gated=silu)
+            def fused() -> tuple[torch.Tensor, torch.Tensor]:
+                return ops.rms_norm_gemv(
+                    x, residual, norm.weight, norm.eps, weight, bias, gated=silu
+                )
 
-        def separate() -> torch.Tensor:  # timed without the residual (not to change it)
-            out = linear(ops.rms_norm(x, norm.weight, norm.eps), weight, bias, None)
-            return ops.silu_mul(out) if silu else out
+            def separate() -> torch.Tensor:  # timed without the residual (not to change it)
+                return _projection(ops.rms_norm(x, norm.weight, norm.eps), proj, silu)
 
-        if ops.gemv_wins("norm+silu" if silu else "norm", x, weight, bias, fused, separate):
-            return fused()
+            what = "norm+silu" if silu else "norm"
+            if ops.gemv_wins(what, x, weight, bias, fused, separate):
+                return fused()
     if residual is None:
-        out, residual = proj(norm(x)), x
+        normed, residual = norm(x), x
     else:
         normed, residual = norm(x, residual)
-        out = proj(normed)
-    return (_silu_mul(out) if silu else out), residual
+    return _projection(normed, proj, silu), residual
+
+
+def _projection(x: torch.Tensor, proj: Linear, silu: bool) -> torch.Tensor:
+    """proj(x); `silu`: silu(gate) * up of it, for a decode row on CUDA in the projection's
+    kernel (its epilogue) where that beats the projection then `silu_mul`."""
+    if not silu:
+        return proj(x)
+    ops = _one_row_ops(x)
+    if ops is not None:
+        weight, bias = proj.weight, proj.bias
+
+        def gated() -> torch.Tensor:
+            return ops.gemv(x, weight, bias, gated=True)
+
+        def separate() -> torch.Tensor:
+            return ops.silu_mul(linear(x, weight, bias, None))
+
+        if ops.gemv_wins("silu", x, weight, bias, gated, separate):
+            return gated()
+    return _silu_mul(proj(x))
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -254,7 +254,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # `rms_norm` rounds. Every program first sums the squares over the whole row, and program 0
 # stores x + residual (to a new buffer: the others are still reading the old one). That saves
 # the norm's own kernel (2.4 us with its gap in a graph) but each program redoes the norm, so
-# whether it pays is timed per shape like the rest (`gemv_wins`). (silu(gate) * up made the
+# whether it pays is timed per shape like the rest (`gemv_wins`), and only without PDL
+# (`norm_fusion_pays`). (silu(gate) * up made the
 # same way was tried and dropped: redone per program in float64, down took 45 us, not 13.)
 #
 # With GATED the weight is gate | up [2I, K] and the output silu(gate) * up [1, I], in the
@@ -266,12 +267,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # programs. PER_SM > 0 launches that many programs per SM, each walking the row tiles pid,
 # pid + programs, ... and loading its next tile's rows before it reduces the current one (two
 # tiles in registers), so its loads never stop, and a NORM program makes its input row once, not
-# once per tile. Only where K fits one pass (K <= 8192); beyond, one tile per program.
+# once per tile. Only where K fits one pass (K <= 8192); beyond, one tile per program. On the
+# H200 (benchmarks/RESULTS.md 2026-12-01 00:50) the tuner took walking programs for the small
+# projections and the norm-fused ones, one-tile programs for gate_up, down and the logits; a
+# first version also ran one-tile programs through the walking loop, whose masked next-tile
+# load cost them registers (down 9.3 -> 10.0 us in the graph), hence the two paths.
 
 _MAX_BLOCK_K = 8192
 _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": n, "PER_SM": p}, num_warps=w, num_stages=1)
-    for p in (0, 1, 4)
+    for p in (0, 4)
     for n in (1, 2, 4, 8, 16, 32)
     for w in (4, 8)
 ]
@@ -344,7 +349,8 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
     PER_SM: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """PER_SM is read by the launch only (the grid); see the comment above."""
+    """PER_SM: 0, one tile per program; else programs walk tiles (the launch sizes the grid);
+    see the comment above."""
     pid = tl.program_id(0)
     dtype = w_ptr.dtype.element_ty
     if PDL:
@@ -367,19 +373,26 @@ def _gemv_kernel(
                 tl.store(res_out_ptr + k, x, mask=k_ok & (pid == 0))
             squares += x.to(tl.float32) * x.to(tl.float32)
         inv = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    if ONE_PASS:  # tiles pid, pid + programs, ..., each loaded while the one before is reduced
+    if ONE_PASS:
         k = tl.arange(0, BLOCK_K)
         x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k < K, inv, NORM, HAS_RESIDUAL)
-        stride = tl.num_programs(0) * BLOCK_N
-        for start in range(pid * BLOCK_N, N, stride):
-            n = start + tl.arange(0, BLOCK_N)
-            w_next, w_up_next = _gemv_rows(w_ptr, n + stride, k, N, K, stride_w, GATED)
+        if PER_SM == 0:  # one tile, loaded above
             acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             acc_up = acc  # read with GATED only
             if GATED:
                 acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
-            _gemv_store(acc, acc_up, n, N, bias_ptr, out_ptr, dtype, HAS_BIAS, GATED)
-            w, w_up = w_next, w_up_next
+            _gemv_store(acc, acc_up, rows, N, bias_ptr, out_ptr, dtype, HAS_BIAS, GATED)
+        else:  # tiles pid, pid + programs, ..., each loaded while the one before is reduced
+            stride = tl.num_programs(0) * BLOCK_N
+            for start in range(pid * BLOCK_N, N, stride):
+                n = start + tl.arange(0, BLOCK_N)
+                w_next, w_up_next = _gemv_rows(w_ptr, n + stride, k, N, K, stride_w, GATED)
+                acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+                acc_up = acc
+                if GATED:
+                    acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+                _gemv_store(acc, acc_up, n, N, bias_ptr, out_ptr, dtype, HAS_BIAS, GATED)
+                w, w_up = w_next, w_up_next
     else:  # one tile per program, K in passes of BLOCK_K columns
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_N], tl.float32)
@@ -479,13 +492,25 @@ def gemv(
     bias: torch.Tensor | None,
     config: dict | None = None,
     out_dtype: torch.dtype | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x [1, K] @ weight.T (+ bias) for weight [N, K] -> [1, N] (see `gemv_applies`), rounded
     to x's dtype and stored as `out_dtype` (default x's: float32 for logits saves a
-    conversion). The tile is tuned per shape on the first call (which must not be inside a
-    CUDA graph capture: the decode graphs warm each bucket up before capturing it); `config`
-    (BLOCK_N, PER_SM, num_warps, num_stages) skips the tuning."""
-    return _launch_gemv(x, weight, bias, config, out_dtype=out_dtype)[0]
+    conversion). `gated`: weight is gate | up and the result [1, N / 2] silu(gate) * up, as
+    `silu_mul` of the projection gives it. The tile is tuned per shape on the first call
+    (which must not be inside a CUDA graph capture: the decode graphs warm each bucket up
+    before capturing it); `config` (BLOCK_N, PER_SM, num_warps, num_stages) skips the tuning."""
+    return _launch_gemv(x, weight, bias, config, out_dtype=out_dtype, gated=gated)[0]
+
+
+def norm_fusion_pays() -> bool:
+    """Whether `rms_norm_gemv` (the norm made inside the projection) is worth timing against
+    the norm's own kernel then the projection: not with PDL. There the norm's kernel starts
+    while the kernel before it ends, and the projection after it loads its weights meanwhile;
+    in the H200's decode graph (benchmarks/RESULTS.md 2026-12-01 00:50) the separate norm and
+    qkv took 4.9 us against 5.9 for the fused kernel, and gate_up with the norm inside 21.3
+    against 16.5 without it, which the one-launch timing `gemv_wins` uses could not see."""
+    return not pdl_args()["PDL"]
 
 
 def rms_norm_gemv(
