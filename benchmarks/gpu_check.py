@@ -208,6 +208,9 @@ def kernel_cases(smoke: bool) -> list[tuple]:
         # Llama-1B shape: 32 over 8, 256 requests decoding
         ("decode-1b-b256", (decode_ctx * 4)[:256], [1] * 256, 32, 8, 64, 16, None, bf16),
         ("decode-1b-long", long_ctx, [1] * 8, 32, 8, 64, 16, None, bf16),
+        # batch 1 and 2: the keys split among 16 programs per KV head (with a window too)
+        ("decode-1b-b1-long", [12000], [1], 32, 8, 64, 16, None, bf16),
+        ("decode-window-b2", [5000, 300], [1, 1], 32, 8, 128, 16, 4096, bf16),
         ("prefill-1b", [0, 0, 0, 0], [512, 300, 17, 1], 32, 8, 64, 16, None, bf16),
         (
             "chunked-mixed-1b",
@@ -1168,9 +1171,11 @@ def one_row_kernel_report() -> list[dict]:
 
 def attention_tile_report(device: str) -> list[dict]:
     """Device time of one decode attention call (the 1B shape's heads: 32 query, 8 KV, dim 64,
-    bf16, block size 16) per key tile (BLOCK_N, warps), at batch 1 and 8 and three contexts,
-    timed as `triton_kernels.gemv_wins` times the projections (a CUDA graph, K/V from HBM)."""
-    from kvflow.attention.triton_attn import _key_tile, triton_paged_attention
+    bf16, block size 16) as the engine runs it (its key tile and split), and per key tile
+    (BLOCK_N, warps) with one program per (request, KV head), at batch 1 and 8 and three
+    contexts, timed as `triton_kernels.gemv_wins` times the projections (a CUDA graph, K/V
+    from HBM)."""
+    from kvflow.attention.triton_attn import _decode_splits, _key_tile, triton_paged_attention
     from kvflow.model.triton_kernels import _graph_us
 
     rows = []
@@ -1182,11 +1187,13 @@ def attention_tile_report(device: str) -> list[dict]:
         q = torch.randn(batch, 32, 64, device=device).bfloat16()
         k, v = (torch.randn(batch, 8, 64, device=device).bfloat16() for _ in "kv")
         default = _key_tile(q.device, True, batch * 8, 64)
-        row: dict[str, Any] = dict(batch=batch, context=context, default=list(default))
+        splits = _decode_splits(q.device, batch * 8)
+        row: dict[str, Any] = dict(batch=batch, context=context, tile=default, splits=splits)
         args = (q, k, v, cache, meta, 0.125)
-        for tile in ((64, 4), (128, 4), (256, 4), (256, 8)):
+        row["default_us"] = _graph_us(functools.partial(triton_paged_attention, *args))
+        for tile in ((64, 4), (128, 4), (256, 4), (256, 8)):  # one program per pair
             row[f"{tile[0]}x{tile[1]}_us"] = _graph_us(
-                functools.partial(triton_paged_attention, *args, tile=tile)
+                functools.partial(triton_paged_attention, *args, tile=tile, splits=1)
             )
         rows.append(row)
         log(f"attention tiles {row}")

@@ -264,3 +264,41 @@ def test_rotary_in_the_backend_is_rotation_then_attention(computed, q_lens, dim,
     expected = ref_cache.masked_fill(unused.to(ref_cache.device), float("nan"))
     torch.testing.assert_close(poisoned, expected, atol=0, rtol=0, equal_nan=True)
     assert torch.equal(k_view, k_before)  # k is stored rotated, not rotated in place
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("window", [None, 90])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_decode_matches_reference(dtype, window, rotary) -> None:
+    """A decode step whose keys are cut among programs (`splits`, as a card does at small
+    batch): contexts of one key tile or less (one program), a few tiles and many (up to all
+    4 chunks), block edges, a window, rotary in the kernel (the program with the last keys
+    stores the token's k/v); the merged result is the reference's, the cache holds what the
+    reference wrote, and every split counter is back at 0."""
+    from kvflow.attention.triton_attn import _COUNTERS
+
+    computed = [3, 63, 64, 300, 700, 1000]
+    q, k, v, meta, garbage, poisoned, unused = _setup(
+        computed, [1] * len(computed), 8, 2, 64, 16, dtype, seed=11 + (window or 0) + rotary
+    )
+    scale = 64**-0.5
+    extra = {} if window is None else {"sliding_window": window}
+    ref_cache = garbage.clone()
+    if rotary:
+        cos, sin = _rope(torch.tensor(computed), 64, dtype)
+        ref_q, ref_k = _rotated(q, cos, sin), _rotated(k, cos, sin)
+        extra["rotary"] = (cos, sin)
+    else:
+        ref_q, ref_k = q, k
+    ref = paged_attention(ref_q, ref_k, v, ref_cache, meta, scale, **extra_no_rotary(extra))
+    out = triton_paged_attention(q, k, v, poisoned, meta, scale, splits=4, **extra)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    expected = ref_cache.masked_fill(unused.to(ref_cache.device), float("nan"))
+    torch.testing.assert_close(poisoned, expected, atol=0, rtol=0, equal_nan=True)
+    assert all(int(c.count_nonzero()) == 0 for held in _COUNTERS.values() for c in held)
+    assert _COUNTERS  # the split path ran
+
+
+def extra_no_rotary(extra: dict) -> dict:
+    return {key: value for key, value in extra.items() if key != "rotary"}

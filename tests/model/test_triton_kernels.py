@@ -386,24 +386,9 @@ def test_gemv_tiles_are_kept_to_64_elements_per_thread() -> None:
 def test_argmax_rows_is_torch_argmax_and_the_bad_flag(vocab: int) -> None:
     """torch.argmax's index (the first of tied maxima, inside and across chunks; the first NaN)
     and the flag of rows whose maximum is not finite, at batch 1 and larger."""
-    gen = torch.Generator().manual_seed(vocab)
-    rows = [torch.randn(5, vocab, generator=gen)]
-    ties = torch.randint(0, 3, (6, vocab), generator=gen).float()  # many tied maxima per row
-    ties[5] = -1.5  # every entry tied
-    rows.append(ties)
-    few = torch.full((4, vocab), -3.0)
-    for r, cols in enumerate(([vocab - 1], [0, vocab - 1], [vocab // 2, vocab - 1], [0])):
-        few[r, cols] = 2.0  # the maximum at the chunk edges, twice in different chunks
-    rows.append(few)
-    odd = torch.randn(6, vocab, generator=gen)
-    odd[0, [vocab // 3, vocab - 1]] = float("nan")  # torch.argmax: the first NaN
-    odd[1, vocab - 1] = float("nan")
-    odd[2, vocab // 2] = float("inf")
-    odd[3] = float("-inf")  # all -inf: bad
-    odd[4, : vocab // 2] = float("-inf")  # a -inf beside finite logits: fine
-    odd[5, 0] = float("-inf")
-    rows.append(odd)
-    for logits in rows:
+    from logit_rows import hard_rows
+
+    for logits in hard_rows(vocab, torch.Generator().manual_seed(vocab)):
         for batch in (logits[:1], logits):
             out = triton_kernels.argmax_rows(batch.to(DEVICE))
             assert out.shape == (2, batch.shape[0]) and out.dtype == torch.int64

@@ -50,14 +50,18 @@ for rotary in (False, True):
         HEADS=8, HEADS_PAD=8, HEAD_DIM=64, HEAD_PAD=64, ROTARY=rotary))
 ATTN = dict(q_ptr=P16, out_ptr=P16, k_cache_ptr=P16, v_cache_ptr=P16, block_tables_ptr=P32,
     query_start_loc_ptr=P32, seq_lens_ptr=P32, tile_req_ptr=P32, tile_start_ptr=P32,
-    k_ptr=P16, v_ptr=P16, slot_ptr="*i64", cos_ptr=P16, sin_ptr=P16,
+    k_ptr=P16, v_ptr=P16, slot_ptr="*i64", cos_ptr=P16, sin_ptr=P16, counter_ptr=P32,
+    part_ml_ptr="*fp32", part_acc_ptr="*fp32",
     qk_scale="fp32", window=I32, stride_qt=I32, stride_qh=I32, stride_ot=I32, stride_oh=I32,
     stride_cache_block=I32, stride_cache_offset=I32, stride_cache_head=I32, stride_table=I32,
     stride_kt=I32, stride_kh=I32, stride_vt=I32, stride_vh=I32, stride_ct=I32, stride_st=I32)
-for decode, rotary in ((True, False), (False, False), (True, True)):
-    CASES[f"attention decode={decode} rotary={rotary}"] = (ta._paged_attention_kernel, ATTN,
-        dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=64,
-             HEAD_PAD=64, BLOCK_SIZE=16, HAS_WINDOW=False, DECODE=decode, ROTARY=rotary))
+for decode, rotary, splits in ((True, False, 1), (False, False, 1), (True, True, 1),
+                               (True, True, 16)):
+    CASES[f"attention decode={decode} rotary={rotary} splits={splits}"] = (
+        ta._paged_attention_kernel, ATTN,
+        dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=256, HEAD_DIM=64,
+             HEAD_PAD=64, BLOCK_SIZE=16, HAS_WINDOW=False, DECODE=decode, ROTARY=rotary,
+             SPLITS=splits))
 GEMV = dict(x_ptr=P16, w_ptr=P16, bias_ptr=P16, out_ptr=P16, res_ptr=P16, res_out_ptr=P16,
     norm_w_ptr=P16, eps="fp32", N=I32, K=I32, stride_w=I32)
 for one_pass, gated, per_sm in ((True, False, 0), (True, True, 0), (True, True, 4),
@@ -101,7 +105,7 @@ def compiled() -> dict:
 
 def test_every_kernel_waits_before_it_stores_or_reads_what_a_kernel_wrote(compiled) -> None:
     with_pdl = {name: r for name, r in compiled.items() if name.endswith("pdl=True")}
-    assert len(with_pdl) == 14
+    assert len(with_pdl) == 15
     for name, r in with_pdl.items():
         assert r["wait"] >= 1 and r["launch"] >= 1, name
         assert r["stores"] == 0, name
@@ -111,6 +115,6 @@ def test_every_kernel_waits_before_it_stores_or_reads_what_a_kernel_wrote(compil
 
 def test_without_the_flag_no_kernel_holds_a_pdl_instruction(compiled) -> None:
     without = {name: r for name, r in compiled.items() if name.endswith("pdl=False")}
-    assert len(without) == 14
+    assert len(without) == 15
     for name, r in without.items():
         assert r["wait"] == 0 and r["launch"] == 0, name

@@ -285,19 +285,9 @@ def test_top_p_renormalises_after_top_k() -> None:
 def test_row_argmax_is_torch_argmax_first_index_on_ties(vocab: int) -> None:
     """The chunked reduction gives torch.argmax's index (the first of tied maxima, across and
     inside chunks; a prime vocab is one chunk) and the row maximum, at batch 1 and larger."""
-    g = gen(vocab)
-    rows = [torch.randn(5, vocab, generator=g)]
-    ties = torch.randint(0, 3, (6, vocab), generator=g).float()  # many tied maxima per row
-    ties[5] = -1.5  # every entry tied
-    rows.append(ties)
-    few = torch.full((4, vocab), -3.0)
-    for r, cols in enumerate(([vocab - 1], [0, vocab - 1], [vocab // 2, vocab - 1], [0])):
-        few[r, cols] = 2.0  # the maximum at the chunk edges, twice in different chunks
-    rows.append(few)
-    nan = torch.randn(2, vocab, generator=g)
-    nan[:, [vocab // 3, vocab - 1]] = float("nan")  # torch.argmax: the first NaN
-    rows.append(nan)
-    for logits in rows:
+    from logit_rows import hard_rows
+
+    for logits in hard_rows(vocab, gen(vocab)):
         for batch in (logits[:1], logits):
             argmax, row_max = row_argmax(batch)
             assert argmax.dtype == torch.int64

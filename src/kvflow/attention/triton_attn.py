@@ -31,6 +31,17 @@ program sees those stores) attends; the rotary and K/V write kernels are gone fr
 Other steps rotate q in place (`rotary_`) and k as `write_kv` stores it. Either way the
 rotation rounds as `rotary_` (and transformers) rounds, compiled without fused multiply-adds.
 
+Split decode (`SPLITS`, `_decode_splits`): a decode step with fewer (request, KV head) pairs
+than the card has SMs would leave most SMs idle while a few programs walk long contexts (81 us
+a layer at 8192 tokens and batch 1 on an H200). Then each pair gets SPLITS programs (grid
+(B, Hkv, SPLITS)); the pair's keys are cut into `active` chunks of whole key tiles (a context
+of one tile or less: one chunk, one program, as without splitting; programs past `active`
+return at once). Each program stores its partial result (running max, sum, unnormalised
+output) and counts itself on the pair's counter (a barrier, then one acq_rel atomic: the
+release covers every thread's stores); the program that counts last merges the partials in
+split order, so the result does not depend on which came last, writes the output and sets the
+counter back to 0 for the next layer. Counters live outside the graphs' memory pool.
+
 Key loop: a program walks its request's context by token position, BLOCK_N keys at a time, from
 the first key any of its queries can see (0, or the sliding window's start) to its last query's
 position. Key position p is read through the block table at block p // block_size, offset
@@ -55,7 +66,7 @@ _LOG2E = 1.4426950408889634
 def _paged_attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_req_ptr, tile_start_ptr,
-    k_ptr, v_ptr, slot_ptr, cos_ptr, sin_ptr,
+    k_ptr, v_ptr, slot_ptr, cos_ptr, sin_ptr, counter_ptr, part_ml_ptr, part_acc_ptr,
     qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
@@ -63,10 +74,12 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DECODE: tl.constexpr,
-    ROTARY: tl.constexpr = False, PDL: tl.constexpr = False,
+    ROTARY: tl.constexpr = False, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """ROTARY (DECODE only): k_ptr/v_ptr/slot_ptr/cos_ptr/sin_ptr are the step's unrotated
-    k, its v, slots and cos/sin rows (see the module docstring); otherwise never read."""
+    k, its v, slots and cos/sin rows. SPLITS > 1 (DECODE only): counter_ptr/part_ml_ptr/
+    part_acc_ptr are the split counters and partial results. See the module docstring;
+    otherwise never read."""
     pdl_start(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,33 +106,45 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
 
+    key_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the tile's last query
+    key_start = 0
+    if HAS_WINDOW:
+        key_start = tl.maximum(first_pos - window + 1, 0)
+    active = 1  # programs that share this (request, KV head)'s keys
+    if SPLITS > 1:  # this program takes one chunk of the keys, whole tiles of them
+        span = key_end - key_start
+        chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
+        active = tl.cdiv(span, chunk)
+        split = tl.program_id(2)
+        if split >= active:
+            return
+        key_start += split * chunk
+        key_end = tl.minimum(key_end, key_start + chunk)
+
     q_rows = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
     io_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + q_rows + dims[None, :], mask=io_mask, other=0.0)
-    if ROTARY:  # decode: rotate q and this head's k, store k and v at the token's slot
+    if ROTARY:  # decode: rotate q; the program with the last keys stores this token's k, v
         swap = _swapped_halves(dims, HEAD_DIM)
         cos = tl.load(cos_ptr + req * stride_ct + dims, mask=dim_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + req * stride_st + dims, mask=dim_ok, other=0.0).to(tl.float32)
         q_swapped = tl.load(q_ptr + q_rows + swap[None, :], mask=io_mask, other=0.0)
         q = _rotate(q, q_swapped, cos[None, :], sin[None, :], dims[None, :], HEAD_DIM)
-        k_row = k_ptr + req * stride_kt + kv_head * stride_kh
-        k_new = tl.load(k_row + dims, mask=dim_ok, other=0.0)
-        k_new = _rotate(k_new, tl.load(k_row + swap, mask=dim_ok), cos, sin, dims, HEAD_DIM)
-        v_new = tl.load(v_ptr + req * stride_vt + kv_head * stride_vh + dims, mask=dim_ok)
-        dst = tl.load(slot_ptr + req).to(tl.int64) * stride_cache_offset
-        dst += kv_head * stride_cache_head + dims
-        tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_ok)
-        tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=dim_ok)
-        tl.debug_barrier()  # the stores are visible to every thread of this program
+        if key_end == seq_len:
+            k_row = k_ptr + req * stride_kt + kv_head * stride_kh
+            k_new = tl.load(k_row + dims, mask=dim_ok, other=0.0)
+            k_new = _rotate(k_new, tl.load(k_row + swap, mask=dim_ok), cos, sin, dims, HEAD_DIM)
+            v_new = tl.load(v_ptr + req * stride_vt + kv_head * stride_vh + dims, mask=dim_ok)
+            dst = tl.load(slot_ptr + req).to(tl.int64) * stride_cache_offset
+            dst += kv_head * stride_cache_head + dims
+            tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_ok)
+            tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=dim_ok)
+            tl.debug_barrier()  # the stores are visible to every thread of this program
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
 
-    key_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the tile's last query
-    key_start = 0
-    if HAS_WINDOW:
-        key_start = tl.maximum(first_pos - window + 1, 0)
     table_row = block_tables_ptr + req.to(tl.int64) * stride_table
     for n_start in range(key_start, key_end, BLOCK_N):
         k_pos = n_start + tl.arange(0, BLOCK_N)
@@ -148,6 +173,37 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
+
+    if SPLITS > 1 and active > 1:  # the partial result out; the last program to finish
+        # merges them (SPLITS is known at compile time, `active` is not)
+        first = (req * tl.num_programs(1) + kv_head) * SPLITS  # this pair's first partial
+        ml = part_ml_ptr + (first + split) * 2 * BLOCK_M + rows
+        tl.store(ml, m_i)
+        tl.store(ml + BLOCK_M, l_i)
+        tile_offsets = rows[:, None] * HEAD_PAD + dims[None, :]
+        tl.store(part_acc_ptr + (first + split) * BLOCK_M * HEAD_PAD + tile_offsets, acc)
+        tl.debug_barrier()  # every thread's stores, then one release (the atomic's)
+        counter = counter_ptr + req * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") < active - 1:
+            return
+        tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next step or layer
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        for part in range(first, first + active):  # in split order: results do not depend on
+            ml = part_ml_ptr + part * 2 * BLOCK_M + rows  # which program came last
+            m_s = tl.load(ml, cache_modifier=".cg")
+            l_s = tl.load(ml + BLOCK_M, cache_modifier=".cg")
+            acc_s = tl.load(
+                part_acc_ptr + part * BLOCK_M * HEAD_PAD + tile_offsets, cache_modifier=".cg"
+            )
+            m_new = tl.maximum(m_i, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            beta = tl.exp2(m_s - m_safe)
+            l_i = l_i * alpha + l_s * beta
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -255,11 +311,13 @@ def triton_paged_attention(
     *,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile: tuple[int, int] | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for `torch_ref.paged_attention`: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
     `rotary` (cos, sin [T, 1, D]): q and k are not rotated yet (see the module docstring; q
-    may be rotated in place). `tile` (BLOCK_N keys, warps) overrides `_key_tile`'s choice
-    (benchmarks compare them)."""
+    may be rotated in place). `tile` (BLOCK_N keys, warps) and `splits` (programs per
+    request and KV head of a decode step) override `_key_tile`'s and `_decode_splits`'
+    choices (tests and benchmarks)."""
     decode = meta.max_query_len == 1
     fused = rotary is not None and decode  # the attention kernel rotates and writes k/v
     if rotary is not None and not decode:
@@ -293,6 +351,20 @@ def triton_paged_attention(
         tile_req, tile_start = _query_tiles(meta, num_tokens, block_q)
         grid = (tile_req.shape[0], num_kv_heads)
     block_n, warps = tile or _key_tile(q.device, decode, grid[0] * grid[1], head_pad)
+    if not decode:
+        splits = 1
+    elif splits is None:
+        splits = _decode_splits(q.device, grid[0] * grid[1])
+    counters = part_ml = part_acc = q  # never read without splits
+    if splits > 1:
+        counters = _split_counters(q.device, grid[0] * grid[1])
+        if counters is None:  # not allocated yet, inside a graph capture
+            splits, counters = 1, q
+        else:
+            parts = grid[0] * grid[1] * splits
+            part_ml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=q.device)
+            part_acc = torch.empty(parts, block_m, head_pad, dtype=torch.float32, device=q.device)
+    grid = (*grid, splits)
     if fused:
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             k, v = k.contiguous(), v.contiguous()
@@ -303,7 +375,7 @@ def triton_paged_attention(
     _paged_attention_kernel[grid](
         q, out, kv_cache[0], kv_cache[1],
         block_table, meta.query_start_loc, meta.seq_lens, tile_req, tile_start,
-        k, v, meta.slot_mapping, cos, sin,
+        k, v, meta.slot_mapping, cos, sin, counters, part_ml, part_acc,
         scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
@@ -311,7 +383,7 @@ def triton_paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=meta.block_size, HAS_WINDOW=sliding_window is not None, DECODE=decode,
-        ROTARY=fused, num_warps=warps, enable_fp_fusion=not fused, **pdl_args(),
+        ROTARY=fused, SPLITS=splits, num_warps=warps, enable_fp_fusion=not fused, **pdl_args(),
     )  # fmt: skip
     return out
 
@@ -329,3 +401,32 @@ def _key_tile(device: torch.device, decode: bool, programs: int, head_pad: int) 
     if decode and device.type == "cuda" and programs < sm_count(device):
         block_n *= 4 if head_pad <= 64 else 2
     return block_n, 4
+
+
+_MAX_SPLITS = 16
+
+
+def _decode_splits(device: torch.device, programs: int) -> int:
+    """Programs per (request, KV head) of a decode step: with fewer (request, KV head) pairs
+    than the card has SMs, each pair's keys are cut into up to SMs / pairs chunks (at most 16,
+    whole key tiles each), attended in parallel and merged (see the module docstring). A
+    context of one key tile or less stays one program, so short contexts pay nothing."""
+    if device.type != "cuda" or programs >= sm_count(device):
+        return 1
+    return max(1, min(_MAX_SPLITS, sm_count(device) // programs))
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(device: torch.device, pairs: int) -> torch.Tensor | None:
+    """int32 zeros, one per (request, KV head) pair, that the split programs count on and the
+    merging one sets back to 0; allocated per device outside any CUDA graph capture (a graph
+    must not own them) and never freed (a captured graph keeps their address). None: too few,
+    and a capture is running (no splitting then)."""
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < pairs:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        held.append(torch.zeros(max(pairs, 4096), dtype=torch.int32, device=device))
+    return held[-1]
