@@ -69,3 +69,39 @@ def test_profile_step_and_kv_budget(tmp_path, fake_cuda_memory) -> None:
     per_block = builder.kv_bytes_per_block(hf_config, 4, torch.float32)
     blocks = builder.resolve_num_blocks(args, hf_config, torch.float32, "cuda", step)
     assert blocks == (40 * GIB - step) // per_block
+
+
+def test_default_token_budget_per_device_and_card() -> None:
+    """--max-num-batched-tokens unset: 2048 on the CPU (served and offline); on CUDA vLLM's
+    defaults by card memory and usage (offline `LLM` or a server), an A100 held back."""
+    assert builder.default_max_num_batched_tokens("cpu", offline=True) == 2048
+    assert builder.default_max_num_batched_tokens("cpu", offline=False) == 2048
+    card = builder.batched_tokens_for_card
+    assert (card(139 * GIB, "NVIDIA H200", True), card(139 * GIB, "NVIDIA H200", False)) == (
+        16384,
+        8192,
+    )
+    assert card(80 * GIB, "NVIDIA H100 80GB HBM3", False) == 8192
+    assert (card(80 * GIB, "NVIDIA A100-SXM4-80GB", True), card(80 * GIB, "A100", False)) == (
+        8192,
+        2048,
+    )
+    assert card(24 * GIB, "NVIDIA L4", False) == 2048
+    assert card(180 * GIB, "NVIDIA B200", False) == 16384
+
+
+def test_llm_is_offline_and_a_server_is_not(monkeypatch) -> None:
+    """The usage context that picks the default: `LLM` marks its engine args offline; the
+    server's flags leave them served (the engine itself is not built here)."""
+    import argparse
+
+    from kvflow import LLM
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.server.args import add_serve_arguments, engine_args_from
+
+    seen: list[EngineArgs] = []
+    monkeypatch.setattr(LLMEngine, "from_args", classmethod(lambda cls, args: seen.append(args)))
+    LLM(None, max_num_seqs=4)
+    assert seen[0].offline and seen[0].max_num_seqs == 4
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    assert not engine_args_from(parser.parse_args([])).offline

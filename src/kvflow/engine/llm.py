@@ -28,6 +28,7 @@ class LLM:
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        kwargs.setdefault("offline", True)
         self.engine = LLMEngine.from_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 

@@ -33,7 +33,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = None  # None: `builder.default_max_num_batched_tokens`
     max_num_queued_reqs: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no graphs, every step eager (the CPU always is)
@@ -42,6 +42,7 @@ class EngineArgs:
     seed: int = 0
     chat_template: str | None = None
     log_engine_steps: bool = False
+    offline: bool = False  # made by `LLM` (vLLM's LLM_CLASS usage context), not a server
 
 
 class LLMEngine:

@@ -40,6 +40,27 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
+def default_max_num_batched_tokens(device: str, offline: bool) -> int:
+    """A step's token budget when --max-num-batched-tokens is not given: 2048 on the CPU, and
+    on CUDA vLLM's per-card defaults (`batched_tokens_for_card`)."""
+    if not device.startswith("cuda"):
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return batched_tokens_for_card(props.total_memory, props.name, offline)
+
+
+def batched_tokens_for_card(total_memory: int, name: str, offline: bool) -> int:
+    """vLLM's defaults: 16384 on cards of 160 GiB or more; on 70 GiB or more but an A100 (H100,
+    H200) 16384 offline (`LLM`) and 8192 served; elsewhere 8192 offline and 2048 served. A
+    prefill step runs eagerly, a few hundred kernel launches whatever its size: a bigger
+    budget means fewer of them per prompt."""
+    if total_memory >= 160 * GIB:
+        return 16384
+    if total_memory >= 70 * GIB and "a100" not in name.lower():
+        return 16384 if offline else 8192
+    return 8192 if offline else 2048
+
+
 def needs_profile(args, device: str) -> bool:
     """Whether the KV pool is sized from --gpu-memory-utilization (and so needs `profile_step`)."""
     return device.startswith("cuda") and args.num_blocks is None and args.kv_cache_memory is None
@@ -171,7 +192,7 @@ def build_engine(cls, args, log_steps: bool):
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     dtype = resolve_dtype(args.dtype, hf_config, device)
-    batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, 1)
+    batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
     backend = attention_backend(device)
     model = step_bytes = None
     if needs_profile(args, device):  # the KV pool gets what the weights and one step leave
