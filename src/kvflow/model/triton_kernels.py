@@ -413,11 +413,15 @@ def _gemv_kernel(
 # Tiles compared by device time as a decode graph sees it (`_graph_us`): timed one launch at a
 # time (Triton's default), the ~40 us Python launch hid the kernel and the card's first tuning
 # picked at random. (The tuner takes the minimum of what this returns, so three equal values.)
+# The timings are kept in Triton's cache on disk (per Triton version, GPU architecture, kernel
+# source, shape and config list): tuning every tile of a 1B model's shapes took most of a
+# CUDA engine's start (15 s on the H200, 2026-12-01), and a restart reads them back.
 _gemv_tuned = triton.autotune(
     _GEMV_CONFIGS,
     key=["N", "K", "NORM", "GATED"],
     prune_configs_by={"early_config_prune": _fitting_configs},
     do_bench=lambda kernel_call, quantiles: [_graph_us(kernel_call)] * 3,
+    cache_results=True,
 )(_gemv_kernel)
 
 
