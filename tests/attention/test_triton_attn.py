@@ -290,7 +290,7 @@ def test_split_decode_matches_reference(dtype, window, rotary) -> None:
         extra["rotary"] = (cos, sin)
     else:
         ref_q, ref_k = q, k
-    ref = paged_attention(ref_q, ref_k, v, ref_cache, meta, scale, **extra_no_rotary(extra))
+    ref = paged_attention(ref_q, ref_k, v, ref_cache, meta, scale, **_without_rotary(extra))
     out = triton_paged_attention(q, k, v, poisoned, meta, scale, splits=4, **extra)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
@@ -300,5 +300,5 @@ def test_split_decode_matches_reference(dtype, window, rotary) -> None:
     assert _COUNTERS  # the split path ran
 
 
-def extra_no_rotary(extra: dict) -> dict:
+def _without_rotary(extra: dict) -> dict:
     return {key: value for key, value in extra.items() if key != "rotary"}

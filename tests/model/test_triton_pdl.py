@@ -38,7 +38,7 @@ CASES = {
         dict(HAS_RESIDUAL=True, BLOCK=2048)),
     "rotary": (tk._rotary_kernel, dict(x_ptr=P16, cos_ptr=P16, sin_ptr=P16, heads=I32,
         stride_xt=I32, stride_xh=I32, stride_ct=I32, stride_st=I32),
-        dict(HALF=32, BLOCK_H=16)),
+        dict(HEAD_DIM=64, HEAD_PAD=64, BLOCK_H=16)),
     "silu_mul": (tk._silu_mul_kernel, dict(gate_up_ptr=P16, out_ptr=P16, inner=I32,
         stride_in=I32, stride_out=I32), dict(BLOCK=1024)),
     "argmax chunks": (tk._chunk_argmax_kernel, dict(logits_ptr="*fp32", max_ptr="*fp32",

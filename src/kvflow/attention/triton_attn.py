@@ -57,7 +57,15 @@ import triton
 import triton.language as tl
 
 from kvflow.attention.metadata import AttentionMetadata
-from kvflow.model.triton_kernels import contiguous_rows, pdl_args, pdl_start, rotary_, sm_count
+from kvflow.model.triton_kernels import (
+    contiguous_rows,
+    pdl_args,
+    pdl_start,
+    rotary_,
+    rotate,
+    sm_count,
+    swapped_halves,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -125,15 +133,15 @@ def _paged_attention_kernel(
     io_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + q_rows + dims[None, :], mask=io_mask, other=0.0)
     if ROTARY:  # decode: rotate q; the program with the last keys stores this token's k, v
-        swap = _swapped_halves(dims, HEAD_DIM)
+        swap = swapped_halves(dims, HEAD_DIM)
         cos = tl.load(cos_ptr + req * stride_ct + dims, mask=dim_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + req * stride_st + dims, mask=dim_ok, other=0.0).to(tl.float32)
         q_swapped = tl.load(q_ptr + q_rows + swap[None, :], mask=io_mask, other=0.0)
-        q = _rotate(q, q_swapped, cos[None, :], sin[None, :], dims[None, :], HEAD_DIM)
+        q = rotate(q, q_swapped, cos[None, :], sin[None, :], dims[None, :], HEAD_DIM)
         if key_end == seq_len:
             k_row = k_ptr + req * stride_kt + kv_head * stride_kh
             k_new = tl.load(k_row + dims, mask=dim_ok, other=0.0)
-            k_new = _rotate(k_new, tl.load(k_row + swap, mask=dim_ok), cos, sin, dims, HEAD_DIM)
+            k_new = rotate(k_new, tl.load(k_row + swap, mask=dim_ok), cos, sin, dims, HEAD_DIM)
             v_new = tl.load(v_ptr + req * stride_vt + kv_head * stride_vh + dims, mask=dim_ok)
             dst = tl.load(slot_ptr + req).to(tl.int64) * stride_cache_offset
             dst += kv_head * stride_cache_head + dims
@@ -211,23 +219,6 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _swapped_halves(dims, HEAD_DIM: tl.constexpr):
-    """The dim each dim's rotate_half partner sits at: d + D/2 below D/2, d - D/2 above."""
-    return tl.where(dims < HEAD_DIM // 2, dims + HEAD_DIM // 2, dims - HEAD_DIM // 2)
-
-
-@triton.jit
-def _rotate(x, x_swapped, cos, sin, dims, HEAD_DIM: tl.constexpr):
-    """x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype, as
-    `triton_kernels.rotary_` computes it (x_swapped: x at `_swapped_halves`)."""
-    dtype = x.dtype
-    partner = x_swapped.to(tl.float32)
-    partner = tl.where(dims < HEAD_DIM // 2, -partner, partner)
-    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
-    return (a + (partner * sin).to(dtype).to(tl.float32)).to(dtype)
-
-
-@triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_slot, stride_cache_head,
@@ -248,8 +239,8 @@ def _write_kv_kernel(
         dim_ok = dims < HEAD_DIM
         cos = tl.load(cos_ptr + token * stride_ct + dims, mask=dim_ok, other=0.0)
         sin = tl.load(sin_ptr + token * stride_st + dims, mask=dim_ok, other=0.0)
-        swapped = tl.load(k_rows + _swapped_halves(dims, HEAD_DIM), mask=mask)
-        k = _rotate(k, swapped, cos.to(tl.float32), sin.to(tl.float32), dims, HEAD_DIM)
+        swapped = tl.load(k_rows + swapped_halves(dims, HEAD_DIM), mask=mask)
+        k = rotate(k, swapped, cos.to(tl.float32), sin.to(tl.float32), dims, HEAD_DIM)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -360,10 +351,16 @@ def triton_paged_attention(
         counters = _split_counters(q.device, grid[0] * grid[1])
         if counters is None:  # not allocated yet, inside a graph capture
             splits, counters = 1, q
-        else:
+        else:  # one pair of buffers per step, shared by the layers (one kernel at a time)
             parts = grid[0] * grid[1] * splits
-            part_ml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=q.device)
-            part_acc = torch.empty(parts, block_m, head_pad, dtype=torch.float32, device=q.device)
+            key = ("triton_split_parts", parts, block_m, head_pad)
+            if key not in meta.memo:
+                on = {"dtype": torch.float32, "device": q.device}
+                meta.memo[key] = (
+                    torch.empty(parts, 2, block_m, **on),
+                    torch.empty(parts, block_m, head_pad, **on),
+                )
+            part_ml, part_acc = meta.memo[key]
     grid = (*grid, splits)
     if fused:
         if k.stride(-1) != 1 or v.stride(-1) != 1:

@@ -293,21 +293,18 @@ def norm_linear(
     decode row on CUDA makes the norm inside the projection's kernel where that beats the
     separate kernels (timed once per shape; only without PDL, see `norm_fusion_pays`)."""
     ops = _one_row_ops(x)
-    if ops is not None and ops.norm_fusion_pays():
-        if residual is None or residual.is_contiguous():
-            weight, bias = proj.weight, proj.bias
+    contiguous = residual is None or residual.is_contiguous()
+    if ops is not None and contiguous and ops.norm_fusion_pays():
+        weight, bias = proj.weight, proj.bias
 
-            def fused() -> tuple[torch.Tensor, torch.Tensor]:
-                return ops.rms_norm_gemv(
-                    x, residual, norm.weight, norm.eps, weight, bias, gated=silu
-                )
+        def fused() -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, weight, bias, gated=silu)
 
-            def separate() -> torch.Tensor:  # timed without the residual (not to change it)
-                return _projection(ops.rms_norm(x, norm.weight, norm.eps), proj, silu)
+        def separate() -> torch.Tensor:  # timed without the residual (not to change it)
+            return _projection(ops.rms_norm(x, norm.weight, norm.eps), proj, silu)
 
-            what = "norm+silu" if silu else "norm"
-            if ops.gemv_wins(what, x, weight, bias, fused, separate):
-                return fused()
+        if ops.gemv_wins("norm+silu" if silu else "norm", x, weight, bias, fused, separate):
+            return fused()
     if residual is None:
         normed, residual = norm(x), x
     else:

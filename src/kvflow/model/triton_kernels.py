@@ -155,29 +155,42 @@ def rms_norm(
 
 
 @triton.jit
+def swapped_halves(dims, HEAD_DIM: tl.constexpr):
+    """The dim each dim's rotate_half partner sits at: d + D/2 below D/2, d - D/2 above."""
+    return tl.where(dims < HEAD_DIM // 2, dims + HEAD_DIM // 2, dims - HEAD_DIM // 2)
+
+
+@triton.jit
+def rotate(x, x_swapped, cos, sin, dims, HEAD_DIM: tl.constexpr):
+    """x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype, as
+    transformers' eager ops round (x_swapped: x at `swapped_halves`; cos, sin float32). The
+    kernel must be compiled without fused multiply-adds (`enable_fp_fusion=False`)."""
+    dtype = x.dtype
+    partner = x_swapped.to(tl.float32)
+    partner = tl.where(dims < HEAD_DIM // 2, -partner, partner)
+    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    return (a + (partner * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, heads, stride_xt, stride_xh, stride_ct, stride_st,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, HALF)
-    ok = (h < heads)[:, None]
-    base = x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(base, mask=ok, other=0.0)
-    x2 = tl.load(base + HALF, mask=ok, other=0.0)
-    dtype = x1.dtype
-    cos1 = tl.load(cos_ptr + token * stride_ct + d).to(tl.float32)[None, :]
-    cos2 = tl.load(cos_ptr + token * stride_ct + HALF + d).to(tl.float32)[None, :]
-    sin1 = tl.load(sin_ptr + token * stride_st + d).to(tl.float32)[None, :]
-    sin2 = tl.load(sin_ptr + token * stride_st + HALF + d).to(tl.float32)[None, :]
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    # out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
-    out1 = (a1 * cos1).to(dtype).to(tl.float32) + (-a2 * sin1).to(dtype).to(tl.float32)
-    out2 = (a2 * cos2).to(dtype).to(tl.float32) + (a1 * sin2).to(dtype).to(tl.float32)
-    tl.store(base, out1.to(dtype), mask=ok)
-    tl.store(base + HALF, out2.to(dtype), mask=ok)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    ok = (h < heads)[:, None] & d_ok[None, :]
+    rows = x_ptr + token * stride_xt + h[:, None] * stride_xh
+    x = tl.load(rows + d[None, :], mask=ok, other=0.0)
+    x_swapped = tl.load(rows + swapped_halves(d, HEAD_DIM)[None, :], mask=ok, other=0.0)
+    cos = tl.load(cos_ptr + token * stride_ct + d, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_st + d, mask=d_ok, other=0.0).to(tl.float32)
+    out = rotate(x, x_swapped, cos[None, :], sin[None, :], d[None, :], HEAD_DIM)
+    tl.store(rows + d[None, :], out, mask=ok)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -192,7 +205,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         # them into bf16 FMAs), and 23 % of outputs would differ from torch's.
         _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
             x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-            HALF=dim // 2, BLOCK_H=block_h, enable_fp_fusion=False, **pdl_args(),
+            HEAD_DIM=dim, HEAD_PAD=triton.next_power_of_2(dim), BLOCK_H=block_h,
+            enable_fp_fusion=False, **pdl_args(),
         )  # fmt: skip
     return x
 
@@ -328,6 +342,16 @@ def _gemv_rows(w_ptr, n, k, N, K, stride_w, GATED: tl.constexpr):
 
 
 @triton.jit
+def _gemv_sums(w, w_up, x, GATED: tl.constexpr):
+    """float32 sums of the rows w (and w_up) times x; without GATED the second is the first."""
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    acc_up = acc
+    if GATED:
+        acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_store(
     acc, acc_up, n, N, bias_ptr, out_ptr, dtype, HAS_BIAS: tl.constexpr, GATED: tl.constexpr
 ):  # fmt: skip
@@ -381,20 +405,14 @@ def _gemv_kernel(
         k = tl.arange(0, BLOCK_K)
         x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k < K, inv, NORM, HAS_RESIDUAL)
         if PER_SM == 0:  # one tile, loaded above
-            acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            acc_up = acc  # read with GATED only
-            if GATED:
-                acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+            acc, acc_up = _gemv_sums(w, w_up, x, GATED)
             _gemv_store(acc, acc_up, rows, N, bias_ptr, out_ptr, dtype, HAS_BIAS, GATED)
         else:  # tiles pid, pid + programs, ..., each loaded while the one before is reduced
             stride = tl.num_programs(0) * BLOCK_N
             for start in range(pid * BLOCK_N, N, stride):
                 n = start + tl.arange(0, BLOCK_N)
                 w_next, w_up_next = _gemv_rows(w_ptr, n + stride, k, N, K, stride_w, GATED)
-                acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-                acc_up = acc
-                if GATED:
-                    acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+                acc, acc_up = _gemv_sums(w, w_up, x, GATED)
                 _gemv_store(acc, acc_up, n, N, bias_ptr, out_ptr, dtype, HAS_BIAS, GATED)
                 w, w_up = w_next, w_up_next
     else:  # one tile per program, K in passes of BLOCK_K columns
@@ -404,9 +422,9 @@ def _gemv_kernel(
             k = k_start + tl.arange(0, BLOCK_K)
             w, w_up = _gemv_rows(w_ptr, rows, k, N, K, stride_w, GATED)
             x = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k, k < K, inv, NORM, HAS_RESIDUAL)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            if GATED:
-                acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+            part, part_up = _gemv_sums(w, w_up, x, GATED)
+            acc += part
+            acc_up += part_up
         _gemv_store(acc, acc_up, rows, N, bias_ptr, out_ptr, dtype, HAS_BIAS, GATED)
 
 
