@@ -23,24 +23,31 @@ query_start_loc is 0, 1, .., B) take the DECODE path: grid (B, Hkv), program i i
 tile_start 0, and no tile map is built or read. This is the CUDA graphs' step, where the map's
 dozen small torch ops would be replayed every step (~25 us on an H200).
 
-Rotary (`rotary=(cos, sin)`, as `PagedAttention` passes it to a backend with
-`fuses_rotary`): q and k arrive unrotated. A decode step rotates them inside the attention
-kernel: program (request, KV head) rotates its query heads as it loads them, rotates its KV
-head's k, stores it and v at the token's slot, and (a barrier later, so every thread of the
-program sees those stores) attends; the rotary and K/V write kernels are gone from the step.
-Other steps rotate q in place (`rotary_`) and k as `write_kv` stores it. Either way the
-rotation rounds as `rotary_` (and transformers) rounds, compiled without fused multiply-adds.
+A decode step stores its own k/v inside the attention kernel (no `write_kv`): the program
+with the request's last keys stores the token's k and v at its slot and attends them from
+registers, so no program reads back what this kernel wrote. With `rotary=(cos, sin)` (as
+`PagedAttention` passes it to a backend with `fuses_rotary`) q and k arrive unrotated and the
+kernel rotates them as it loads them, so the rotary kernel is gone from the step too. Other steps
+rotate q in place (`rotary_`) and k as `write_kv` stores it. Either way the rotation rounds as
+`rotary_` (and transformers) rounds, compiled without fused multiply-adds.
+
+Under PDL (`triton_kernels.pdl_args`) a decode program reads its request's seq_len, block table
+and first key tile before `gdc_wait`, while the projection before it still runs: all of it was
+written before the forward began (the host's inputs; keys of earlier steps), and the forward's
+first kernel, the embedding, is launched without PDL, so those writers are done. Everything
+else (q, the token's k/v, the split counters) is read after the wait. Other steps wait first:
+`write_kv` has just stored their keys.
 
 Split decode (`SPLITS`, `_decode_splits`): a decode step with fewer (request, KV head) pairs
 than the card has SMs would leave most SMs idle while a few programs walk long contexts (81 us
 a layer at 8192 tokens and batch 1 on an H200). Then each pair gets SPLITS programs (grid
 (B, Hkv, SPLITS)); the pair's keys are cut into `active` chunks of whole key tiles (a context
 of one tile or less: one chunk, one program, as without splitting; programs past `active`
-return at once). Each program stores its partial result (running max, sum, unnormalised
-output) and counts itself on the pair's counter (a barrier, then one acq_rel atomic: the
-release covers every thread's stores); the program that counts last merges the partials in
-split order, so the result does not depend on which came last, writes the output and sets the
-counter back to 0 for the next layer. Counters live outside the graphs' memory pool.
+return once they have waited). Each program stores its partial result (running max, sum,
+unnormalised output) and counts itself on the pair's counter (a barrier, then one acq_rel
+atomic: the release covers every thread's stores); the program that counts last merges the
+partials in split order, so the result does not depend on which came last, writes the output
+and sets the counter back to 0 for the next layer. Counters live outside the graphs' memory pool.
 
 Key loop: a program walks its request's context by token position, BLOCK_N keys at a time, from
 the first key any of its queries can see (0, or the sliding window's start) to its last query's
@@ -55,6 +62,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.model.triton_kernels import (
@@ -71,6 +79,28 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _kv_tile(
+    k_cache_ptr, v_cache_ptr, table_row, n_start, end, kv_head, dims, dim_ok,
+    stride_cache_block, stride_cache_offset, stride_cache_head,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Keys and values n_start .. n_start + BLOCK_N - 1 of one KV head, as the cache holds them,
+    read through the request's block table row; positions at or past `end` are 0, unread."""
+    k_pos = n_start + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < end
+    block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    slot = (
+        block * stride_cache_block
+        + (k_pos % BLOCK_SIZE) * stride_cache_offset
+        + kv_head * stride_cache_head
+    )
+    offsets = slot[:, None] + dims[None, :]  # [BLOCK_N, HEAD_PAD]
+    mask = k_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+    return k, tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_req_ptr, tile_start_ptr,
@@ -84,11 +114,14 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DECODE: tl.constexpr,
     ROTARY: tl.constexpr = False, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """ROTARY (DECODE only): k_ptr/v_ptr/slot_ptr/cos_ptr/sin_ptr are the step's unrotated
-    k, its v, slots and cos/sin rows. SPLITS > 1 (DECODE only): counter_ptr/part_ml_ptr/
-    part_acc_ptr are the split counters and partial results. See the module docstring;
-    otherwise never read."""
-    pdl_start(PDL)
+    """DECODE: k_ptr/v_ptr/slot_ptr are the step's k, v and slots (this kernel stores them);
+    ROTARY (DECODE only): k is unrotated, cos_ptr/sin_ptr are the step's cos/sin rows. SPLITS >
+    1 (DECODE only): counter_ptr/part_ml_ptr/part_acc_ptr are the split counters and partial
+    results. See the module docstring; otherwise never read."""
+    if PDL:
+        gdc_launch_dependents()
+        if not DECODE:  # write_kv just stored the step's keys: wait before any read
+            gdc_wait()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     if DECODE:  # one query token per request: program i is request i, its token i
@@ -119,57 +152,61 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         key_start = tl.maximum(first_pos - window + 1, 0)
     active = 1  # programs that share this (request, KV head)'s keys
+    split = 0
     if SPLITS > 1:  # this program takes one chunk of the keys, whole tiles of them
         span = key_end - key_start
         chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
         active = tl.cdiv(span, chunk)
         split = tl.program_id(2)
-        if split >= active:
-            return
-        key_start += split * chunk
+        key_start += split * chunk  # past key_end for an idle program: it loads nothing
         key_end = tl.minimum(key_end, key_start + chunk)
+    cached_end = key_end  # keys read from the cache; a decode's own token comes from k_ptr
+    if DECODE:
+        cached_end = tl.minimum(key_end, seq_len - 1)
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_table
+    k, v = _kv_tile(
+        k_cache_ptr, v_cache_ptr, table_row, key_start, cached_end, kv_head, dims, dim_ok,
+        stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_N, BLOCK_SIZE,
+    )  # fmt: skip
+    if PDL and DECODE:  # the first tile was read before the wait (module docstring)
+        gdc_wait()
+    if split >= active:
+        return
 
     q_rows = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
     io_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + q_rows + dims[None, :], mask=io_mask, other=0.0)
-    if ROTARY:  # decode: rotate q; the program with the last keys stores this token's k, v
-        swap = swapped_halves(dims, HEAD_DIM)
-        cos = tl.load(cos_ptr + req * stride_ct + dims, mask=dim_ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + req * stride_st + dims, mask=dim_ok, other=0.0).to(tl.float32)
-        q_swapped = tl.load(q_ptr + q_rows + swap[None, :], mask=io_mask, other=0.0)
-        q = rotate(q, q_swapped, cos[None, :], sin[None, :], dims[None, :], HEAD_DIM)
-        if key_end == seq_len:
-            k_row = k_ptr + req * stride_kt + kv_head * stride_kh
-            k_new = tl.load(k_row + dims, mask=dim_ok, other=0.0)
-            k_new = rotate(k_new, tl.load(k_row + swap, mask=dim_ok), cos, sin, dims, HEAD_DIM)
-            v_new = tl.load(v_ptr + req * stride_vt + kv_head * stride_vh + dims, mask=dim_ok)
-            dst = tl.load(slot_ptr + req).to(tl.int64) * stride_cache_offset
-            dst += kv_head * stride_cache_head + dims
-            tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_ok)
-            tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=dim_ok)
-            tl.debug_barrier()  # the stores are visible to every thread of this program
+    if DECODE:  # the program with the last keys stores the token's k, v and attends them as is
+        own = dim_ok & (key_end == seq_len)
+        k_row = k_ptr + req * stride_kt + kv_head * stride_kh
+        k_new = tl.load(k_row + dims, mask=own, other=0.0)
+        v_new = tl.load(v_ptr + req * stride_vt + kv_head * stride_vh + dims, mask=own, other=0.0)
+        if ROTARY:  # rotate q and the token's k
+            swap = swapped_halves(dims, HEAD_DIM)
+            cos = tl.load(cos_ptr + req * stride_ct + dims, mask=dim_ok, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + req * stride_st + dims, mask=dim_ok, other=0.0).to(tl.float32)
+            q_swapped = tl.load(q_ptr + q_rows + swap[None, :], mask=io_mask, other=0.0)
+            q = rotate(q, q_swapped, cos[None, :], sin[None, :], dims[None, :], HEAD_DIM)
+            k_new = rotate(k_new, tl.load(k_row + swap, mask=own), cos, sin, dims, HEAD_DIM)
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        dst = tl.load(slot_ptr + req).to(tl.int64) * stride_cache_offset
+        dst += kv_head * stride_cache_head + dims
+        tl.store(k_cache_ptr + dst, k_new, mask=own)
+        tl.store(v_cache_ptr + dst, v_new, mask=own)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
 
-    table_row = block_tables_ptr + req.to(tl.int64) * stride_table
-    for n_start in range(key_start, key_end, BLOCK_N):
+    for n_start in range(key_start, key_end, BLOCK_N):  # k, v: this tile's keys, read before
         k_pos = n_start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < key_end
-        block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot = (
-            block * stride_cache_block
-            + (k_pos % BLOCK_SIZE) * stride_cache_offset
-            + kv_head * stride_cache_head
-        )
-        kv_mask = k_ok[:, None] & dim_ok[None, :]
-        kv_offsets = slot[:, None] + dims[None, :]  # [BLOCK_N, HEAD_PAD]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if DECODE:  # the token's own key and value
+            is_new = (k_pos == seq_len - 1)[:, None]
+            k = tl.where(is_new, k_new[None, :], k)
+            v = tl.where(is_new, v_new[None, :], v)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+        visible = (k_pos < key_end)[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible &= k_pos[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
@@ -179,8 +216,13 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
+        k, v = _kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, n_start + BLOCK_N, cached_end, kv_head, dims,
+            dim_ok, stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_N,
+            BLOCK_SIZE,
+        )  # fmt: skip
 
     if SPLITS > 1 and active > 1:  # the partial result out; the last program to finish
         # merges them (SPLITS is known at compile time, `active` is not)
@@ -309,11 +351,10 @@ def triton_paged_attention(
     may be rotated in place). `tile` (BLOCK_N keys, warps) and `splits` (programs per
     request and KV head of a decode step) override `_key_tile`'s and `_decode_splits`'
     choices (tests and benchmarks)."""
-    decode = meta.max_query_len == 1
-    fused = rotary is not None and decode  # the attention kernel rotates and writes k/v
-    if rotary is not None and not decode:
-        rotary_(q, *rotary)
-    if not fused:
+    decode = meta.max_query_len == 1  # the attention kernel stores k/v (and rotates them)
+    if not decode:
+        if rotary is not None:
+            rotary_(q, *rotary)
         write_kv(k, v, kv_cache, meta.slot_mapping, rotary)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_reqs == 0 or q.shape[0] == 0:
@@ -328,6 +369,8 @@ def triton_paged_attention(
         q = q.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in the head dimension")
+    if decode and kv_cache.stride(1) != kv_cache.shape[2] * kv_cache.stride(2):
+        raise ValueError("kv_cache's blocks must be packed (a decode stores k/v at slot rows)")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(head_dim))
@@ -362,12 +405,13 @@ def triton_paged_attention(
                 )
             part_ml, part_acc = meta.memo[key]
     grid = (*grid, splits)
-    if fused:
+    fused = decode and rotary is not None
+    if decode:
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             k, v = k.contiguous(), v.contiguous()
-        cos, sin = (contiguous_rows(t, num_tokens, head_dim) for t in rotary)
     else:  # never read
-        k = v = cos = sin = q
+        k = v = q
+    cos, sin = (contiguous_rows(t, num_tokens, head_dim) for t in rotary) if fused else (q, q)
     block_table = meta.block_tables
     _paged_attention_kernel[grid](
         q, out, kv_cache[0], kv_cache[1],

@@ -42,10 +42,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # called `gdc_launch_dependents` (ours do so first thing), and runs up to its `gdc_wait`, which
 # returns once the kernel before it has ended and its writes are visible (that kernel itself
 # waited for its own predecessor, so everything earlier is done too). The rule every kernel here
-# keeps: before `gdc_wait` it reads only what no kernel writes during a forward (weights), and
-# it stores nothing. The one-row projections load their weight rows there, so a projection's
-# weight stream starts while the kernel before it is still running; the other kernels wait
-# first thing and save their launch latency only. On an H200 (benchmarks/RESULTS.md
+# keeps: before `gdc_wait` it reads only what no kernel writes during a forward, and it stores
+# nothing. The one-row projections load their weight rows there, so a projection's weight stream
+# starts while the kernel before it is still running; a decode's attention reads its metadata
+# and the keys of earlier steps there (see triton_attn); the other kernels wait first thing and
+# save their launch latency only. On an H200 (benchmarks/RESULTS.md
 # 2026-12-01) the batch-1 decode graph of the Llama-3.2-1B shape went 0.789 -> 0.758 ms with
 # it, SmolLM2's (30 thin layers) 0.629 -> 0.483 ms.
 #
