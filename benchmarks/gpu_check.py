@@ -39,8 +39,8 @@ is installed). Random-weight checkpoints are written to a temporary directory at
              transformers `generate` per new token at the same batch, and the floor: bytes a
              decode step must read (weights, and weights + this batch's KV) over the device-to-
              device copy bandwidth measured here; prefill throughput of both (16 x 1024 tokens).
-             "graph replay alone" is the decode graph replayed back to back (CUDA events): the
-             device's share of a step. Step less replay is the host's share; replay against
+             "graph replay alone" is the decode graph (the forward, the logits head and the
+             greedy argmax) replayed back to back (CUDA events): the device's share of a step. Step less replay is the host's share; replay against
              the floor is the kernels' (bytes moved against bytes counted). "no async
              scheduling": the graphs engine scheduling each step after the previous one ended
              (--no-async-scheduling), so the host's work is not overlapped with the device's.
@@ -564,15 +564,19 @@ def graph_replay_check(model, hf_config, dtype, device: str, seed: int) -> dict:
     capture_clean = all(torch.equal(c[:, 1:], b) for c, b in zip(caches, before, strict=True))
     del before
     vs_eager = vs_plain = 0.0
+    greedy_equal = True  # the graph's greedy tokens (logits and argmax in it) are eager's
     for rows in ([0], [0, 1, 2], [3, 4, 5, 6, 7], [*range(7, 16)], [*range(16)]):
         ids = [torch.randint(2, vocab, (1,), generator=gen).item() for _ in rows]
         positions = [lens[r] for r in rows]
         row_blocks = [blocks[r] for r in rows]
         state = [c.clone() for c in caches]
         plain_state = [c.clone() for c in caches]
-        replayed = graphs.run(*pack_inputs(ids, positions, row_blocks)).float().clone()
+        out = graphs.run(*pack_inputs(ids, positions, row_blocks))
+        replayed, greedy = out.hidden.float().clone(), out.raw[0].tolist()
         eager = DecodeGraphs(model, state, block, max_model_len, 16, device, capture=False)
-        padded = eager.run(*pack_inputs(ids, positions, row_blocks)).float()
+        eager_out = eager.run(*pack_inputs(ids, positions, row_blocks))
+        padded = eager_out.hidden.float()
+        greedy_equal = greedy_equal and greedy == eager_out.raw[0].tolist()
         plain = plain_forward(model, plain_state, [[t] for t in ids], positions, row_blocks)
         scale = float(plain.abs().max())
         vs_eager = max(vs_eager, float((replayed - padded).abs().max()) / scale)
@@ -581,18 +585,20 @@ def graph_replay_check(model, hf_config, dtype, device: str, seed: int) -> dict:
             lens[r] += 1
         del state, plain_state
     tol = 1e-3 if dtype == torch.float32 else 5e-2
-    ok = capture_clean and vs_eager <= 1e-5 and vs_plain <= tol
+    ok = capture_clean and vs_eager <= 1e-5 and vs_plain <= tol and greedy_equal
     steps = dict(graphs.steps)
     log(
         f"graph replay ({'captured' if graphs.use_graphs else 'eager, no CUDA'}): capture "
         f"{'clean' if capture_clean else 'WROTE REAL BLOCKS'}, rel diff vs padded eager "
-        f"{vs_eager:.1e}, vs plain {vs_plain:.1e}, buckets {steps} {'ok' if ok else 'FAIL'}"
+        f"{vs_eager:.1e}, vs plain {vs_plain:.1e}, greedy tokens "
+        f"{'equal' if greedy_equal else 'DIFFER'}, buckets {steps} {'ok' if ok else 'FAIL'}"
     )
     return dict(
         captured=graphs.use_graphs,
         capture_clean=capture_clean,
         rel_diff_vs_padded_eager=vs_eager,
         rel_diff_vs_plain=vs_plain,
+        greedy_equal=greedy_equal,
         buckets=steps,
         ok=ok,
     )
@@ -894,9 +900,10 @@ def engine_decode_ms(llm: LLM, batch: int, prompt_len: int, warm: int, steps: in
 
 
 def graph_device_ms(graphs: DecodeGraphs | None, batch: int, reps: int = 20) -> float | None:
-    """Device time of one decode forward: the bucket's graph replayed back to back, timed with
-    CUDA events, so no host work sits between replays. A step's time less this is what the
-    host adds (scheduler, inputs, logits and sampler launches, update, detokenization).
+    """Device time of one decode step up to the sampler (forward, logits head, greedy argmax):
+    the bucket's graph replayed back to back, timed with CUDA events, so no host work sits
+    between replays. A step's time less this is what the host adds (scheduler, inputs, the
+    copy of the ids, update, detokenization).
 
     Replays repeat the last step's inputs: they rewrite its K/V slots with the same values."""
     if graphs is None or not graphs.use_graphs:

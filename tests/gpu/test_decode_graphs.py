@@ -140,19 +140,22 @@ def check_step(
     model, graphs: DecodeGraphs, caches: list[torch.Tensor], inputs: tuple, tol: float = 1e-5
 ) -> torch.Tensor:
     """One decode step (`Batch.decode_inputs`) through `graphs` (bound to `caches`) and through
-    the plain forward on a copy of `caches`, compared; returns the padded path's hidden states."""
+    the plain forward on a copy of `caches`, compared (hidden states, logits, and the greedy
+    tokens the graph picks); returns the padded path's hidden states."""
     ids, positions, blocks = inputs
     before = [c.clone() for c in caches]
     plain_caches = [c.clone() for c in caches]
     chunks = [([t], p, b) for t, p, b in zip(ids, positions, blocks, strict=True)]
     expected = plain_forward(model, plain_caches, chunks)
     with torch.inference_mode():
-        hidden = graphs.run(*pack_inputs(ids, positions, blocks)).clone()
+        out = graphs.run(*pack_inputs(ids, positions, blocks))
+        hidden, logits = out.hidden.clone(), out.logits.clone()
+        argmax, bad = (t.clone() for t in out.raw[:2])
+        expected_logits = model.compute_logits(expected)
     assert hidden.shape == expected.shape
     torch.testing.assert_close(hidden, expected, atol=tol, rtol=tol)
-    torch.testing.assert_close(
-        model.compute_logits(hidden), model.compute_logits(expected), atol=10 * tol, rtol=10 * tol
-    )
+    torch.testing.assert_close(logits, expected_logits, atol=10 * tol, rtol=10 * tol)
+    assert argmax.tolist() == logits.argmax(-1).tolist() and not bad.any()
     written = written_slots(positions, blocks).to(hidden.device)
     for after, old, plain in zip(caches, before, plain_caches, strict=True):
         # real blocks: untouched except this step's slots, which hold the plain path's k/v

@@ -132,6 +132,28 @@ def test_padded_decode_engine_equals_plain_engine(checkpoint) -> None:
     assert any(b > 1 for b in graphs.steps)
 
 
+def test_nan_logits_in_a_padded_decode_fail_that_request_alone(checkpoint) -> None:
+    """A decode graph hands the sampler its greedy tokens, made from the clean logits; the NaN
+    fault (KVFLOW_FAULT nan:T) poisons the logits after the graph, so it must drop them: the
+    marked request fails with the sampler's error, the others decode as the plain engine does."""
+    from kvflow.worker.faults import FaultPlan
+
+    mark = 9
+    clean = [p for p in prompts() if mark not in p][:4]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(checkpoint, **ENGINE).generate(clean, greedy)]
+    llm = LLM(checkpoint, **ENGINE)
+    graphs = padded(llm)
+    llm.engine.core.runner = FaultPlan(nan_token=mark).wrap(llm.engine.core.runner)
+    outs = llm.generate(clean, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all("error" not in o.metrics for o in outs)
+    steps = sum(graphs.steps.values())
+    (alone,) = llm.generate([[mark]], greedy)  # one token: its first step is a decode graph's
+    assert sum(graphs.steps.values()) == steps + 1
+    assert "non-finite logits" in alone.metrics["error"] and not alone.outputs[0].token_ids
+
+
 def test_enforce_eager_and_async_scheduling_flags() -> None:
     parser = add_serve_arguments(argparse.ArgumentParser())
 

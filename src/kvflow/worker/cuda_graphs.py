@@ -33,6 +33,13 @@ objects. `max_seq_len` is the bound max_model_len, not the step's maximum, so on
 for any context length (the Triton backend reads lengths from `seq_lens` on the device and does
 not use max_seq_len; the torch reference gathers up to it, which is correct, only slower).
 
+A graph holds the whole step up to the sampler: the forward, the logits head (float32 logits
+of every row) and `sampler.raw_argmax` of them (greedy tokens and bad-row flags). An all-greedy
+batch without penalties samples exactly those, so its step launches one graph and one copy of
+the ids; any other batch samples from the graph's logits. Launched after the graph, the head
+and the argmax took the host 230-260 us a step (three Triton launches and the Python around
+them; profiled batch-1 steps on an H200, benchmarks/RESULTS.md 2026-12-01 03:40).
+
 On CUDA (`capture` left True) `capture()` warms each bucket up and captures one graph per bucket,
 largest first, into one shared memory pool; `run()` replays. With `capture=False` (and always on
 the CPU) `run()` executes the same padded forward eagerly: this is how the CPU tests check the
@@ -45,11 +52,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvflow.attention.metadata import AttentionMetadata, pack_block_ids
+from kvflow.worker.sampler import RawArgmax, raw_argmax
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -70,6 +79,21 @@ def pack_inputs(
     """`DecodeGraphs.run`'s arguments from lists (callers without persistent rows)."""
     table, num_blocks = pack_block_ids(block_ids)
     return np.asarray(input_ids, dtype=np.int64), np.asarray(positions, np.int64), table, num_blocks
+
+
+class DecodeOutput(NamedTuple):
+    """A decode step's rows as a graph leaves them: final hidden states [B, hidden], float32
+    logits [B, V], and `sampler.raw_argmax` of those logits (what an all-greedy batch samples)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    raw: RawArgmax
+
+    def rows(self, n: int) -> DecodeOutput:
+        """The first n rows (views)."""
+        argmax, bad, block = self.raw
+        raw = (argmax[:n], bad[:n], None if block is None else block[:, :n])
+        return DecodeOutput(self.hidden[:n], self.logits[:n], raw)
 
 
 class DecodeGraphs:
@@ -112,7 +136,7 @@ class DecodeGraphs:
         # Recorded after each step's host -> device copies: the staging buffers are not
         # rewritten before the copies that read them have run (non_blocking copies).
         self._copied = torch.cuda.Event() if pin else None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeOutput]] = {}
 
     def fits(self, num_reqs: int) -> bool:
         return 0 < num_reqs <= self.max_batch
@@ -127,14 +151,14 @@ class DecodeGraphs:
         block_table: np.ndarray,
         num_blocks: np.ndarray,
         fill_ids: Callable[[torch.Tensor], None] | None = None,
-    ) -> torch.Tensor:
-        """Final hidden states [B, hidden] of B decode tokens: request b's token `input_ids[b]`
+    ) -> DecodeOutput:
+        """The step's `DecodeOutput` for B decode tokens: request b's token `input_ids[b]`
         at position `positions[b]` (its context before this step), its `num_blocks[b]` blocks
         in row b of `block_table` [B, W] (then zeros; `pack_block_ids` makes one from lists).
         `fill_ids`, if given, is called with the ids on the device before the forward, to
         write ids that are still on the device (async scheduling).
 
-        The result is a view into the graph's output, valid until the next call.
+        The result holds views into the graph's outputs, valid until the next call.
         """
         num_reqs = len(input_ids)
         if not self.fits(num_reqs):
@@ -151,7 +175,7 @@ class DecodeGraphs:
             graph.replay()
         else:
             out = self._forward(bucket)
-        return out[:num_reqs]
+        return out.rows(num_reqs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -173,10 +197,6 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 out = self._forward(bucket)
             self._graphs[bucket] = (graph, out)
-        # A batch-1 step's logits run eagerly after its graph: their one-row kernel choice
-        # (`triton_kernels.gemv_wins`, timed once) is made now, not at the first request.
-        self._load(1, *pack_inputs([], [], []))
-        self.model.compute_logits(self._forward(1)[:1])
         torch.cuda.synchronize()
         logger.info(
             "CUDA graphs: captured decode batch sizes %s in %.1f s",
@@ -184,9 +204,10 @@ class DecodeGraphs:
             time.monotonic() - start,
         )
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def _forward(self, bucket: int) -> DecodeOutput:
         """The padded forward of `bucket` rows over the static buffers (fresh metadata, see
-        the module docstring)."""
+        the module docstring), then the logits and their greedy tokens: the graph covers the
+        step up to the sampler, whose greedy path then launches nothing."""
         ids, positions, slots = self._longs[: 3 * bucket].view(3, bucket).unbind(0)
         meta = AttentionMetadata(
             slot_mapping=slots,
@@ -197,7 +218,9 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
             block_size=self.block_size,
         )
-        return self.model(ids, positions, self.kv_caches, meta)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        return DecodeOutput(hidden, logits, raw_argmax(logits))
 
     def _load(
         self,

@@ -101,8 +101,9 @@ class FaultyRunner:
 def _poison_logits(runner: Any, token: int) -> None:
     """Make the logits of marked requests NaN just before the sampler sees them.
 
-    Relies on ModelRunner's `_sample(logits, req_ids, ...)` (row i belongs to req_ids[i]), its
-    `requests` states and their `rows`; fails loudly at start if those change."""
+    Relies on ModelRunner's `_sample(logits, req_ids, ..., raw=)` (row i belongs to
+    req_ids[i]), its `requests` states and their `rows`; fails loudly at start if those
+    change."""
     sample: Callable[..., Any] | None = getattr(runner, "_sample", None)
     if sample is None or not hasattr(runner, "requests") or not hasattr(runner, "rows"):
         raise ValueError(f"{ENV} nan:{token} needs ModelRunner._sample, .requests and .rows")
@@ -111,11 +112,11 @@ def _poison_logits(runner: Any, token: int) -> None:
         row, rows = runner.requests[req_id].row, runner.rows
         return bool((rows.token_ids[row, : rows.prompt_len[row]] == token).any())
 
-    def sample_poisoned(logits: Any, req_ids: list[str], *args: Any) -> Any:
+    def sample_poisoned(logits: Any, req_ids: list[str], *args: Any, raw: Any = None) -> Any:
         rows = [i for i, r in enumerate(req_ids) if marked(r)]
-        if rows:
-            logits = logits.clone()
+        if rows:  # (`raw`, a decode graph's greedy tokens, came from the clean logits)
+            logits, raw = logits.clone(), None
             logits[rows] = float("nan")
-        return sample(logits, req_ids, *args)
+        return sample(logits, req_ids, *args, raw=raw)
 
     runner._sample = sample_poisoned

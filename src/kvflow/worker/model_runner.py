@@ -21,7 +21,13 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.transfer import to_device
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.input_rows import InputRows
-from kvflow.worker.sampler import SamplerOutput, SamplingMetadata, compute_logprobs, sample
+from kvflow.worker.sampler import (
+    RawArgmax,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_logprobs,
+    sample,
+)
 
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose logits are materialised at once
 
@@ -161,8 +167,9 @@ class ModelRunner:
         # the input that is still on the device is each such request's last token
         fill_ids = None if feed is None else (lambda ids: self._copy_fed(ids, feed, q_lens))
         graphs = self.decode_graphs
+        logits = raw = None  # made by the decode graph, else below
         if graphs is not None and decode_only and graphs.fits(num_reqs):
-            hidden = graphs.run(input_ids, computed, table, num_blocks, fill_ids)
+            hidden, logits, raw = graphs.run(input_ids, computed, table, num_blocks, fill_ids)
         else:
             meta = AttentionMetadata.from_table(
                 q_lens, computed, table, num_blocks, self.block_size, self.device
@@ -180,8 +187,9 @@ class ModelRunner:
         if not sample_ids:
             self._in_flight = None
             return lambda: ModelRunnerOutput({}, prompt_logprobs=self._live(prompt_logprobs))
-        logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        return self._sample(logits, sample_ids, sample_states, sampling, prompt_logprobs)
+        if logits is None:
+            logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
+        return self._sample(logits, sample_ids, sample_states, sampling, prompt_logprobs, raw=raw)
 
     def _prompt_logprobs(
         self,
@@ -314,10 +322,12 @@ class ModelRunner:
         states: list[CachedRequestState],
         meta: SamplingMetadata,
         prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]],
+        raw: RawArgmax | None = None,
     ) -> Callable[[], ModelRunnerOutput]:
-        """Queue the sampler on `logits` (row i for req_ids[i]) and append placeholders for
-        its ids; the returned call reads them (the step's first device -> host copy)."""
-        out = sample(logits, meta)
+        """Queue the sampler on `logits` (row i for req_ids[i]; `raw`: their `raw_argmax`, if
+        made) and append placeholders for its ids; the returned call reads them (the step's
+        first device -> host copy)."""
+        out = sample(logits, meta, raw)
         out.to_host()
         rows = np.fromiter((s.row for s in states), np.intp, len(states))
         positions = self.rows.append_tokens(rows)

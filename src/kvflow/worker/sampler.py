@@ -309,17 +309,22 @@ class SamplerOutput:
         ]
 
 
-def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
-    """Sample one token per row of `logits` [B, V] (float32); `logits` is not modified."""
+# (argmax [B], bad flags [B], both as one int64 [2, B] block or None)
+RawArgmax = tuple[Tensor, Tensor, Tensor | None]
+
+
+def sample(logits: Tensor, meta: SamplingMetadata, raw: RawArgmax | None = None) -> SamplerOutput:
+    """Sample one token per row of `logits` [B, V] (float32); `logits` is not modified. `raw`:
+    `raw_argmax(logits)`, where it was already made (inside a decode graph)."""
     logits = logits.float()
     # One reduction of the raw logits: the bad rows, and the greedy tokens unless penalised.
-    argmax, bad_mask, ids_and_bad = _argmax_and_bad(logits)
+    argmax, bad_mask, ids_and_bad = raw_argmax(logits) if raw is None else raw
     processed = logits
     if meta.has_penalties or meta.min_tokens_mask is not None or meta.logit_bias is not None:
         processed = apply_penalties(logits.clone(), meta)
         ids_and_bad = None  # its argmax row is not the greedy tokens
         if not meta.all_random:
-            argmax = _argmax_and_bad(processed)[0]
+            argmax = raw_argmax(processed)[0]
     if meta.all_greedy:
         sampled = argmax
     else:
@@ -335,9 +340,10 @@ def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
     return out
 
 
-def _argmax_and_bad(logits: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(argmax [B], bad flags [B], both as one int64 [2, B] block or None): on CUDA from two
-    Triton kernels (`triton_kernels.argmax_rows`), elsewhere from `row_argmax`."""
+def raw_argmax(logits: Tensor) -> RawArgmax:
+    """The greedy tokens and bad rows (see `SamplerOutput.bad_mask`) of raw float32 logits: on
+    CUDA from two Triton kernels (`triton_kernels.argmax_rows`, which also lay out the block the
+    host copies), elsewhere from `row_argmax`."""
     if logits.is_cuda:
         from kvflow.model import triton_kernels  # triton is only installed with CUDA
 
