@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: choices a request may ask for
 
 
 @dataclass
@@ -60,18 +62,28 @@ class SamplingParams:
         """Raise ValueError with a message a user can act on."""
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N_SEQUENCES:
+            raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
         if self.best_of is not None and self.best_of != self.n and self.best_of != 1:
             raise ValueError(f"best_of must be 1 or equal to n, got best_of={self.best_of}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
+        if not math.isfinite(self.repetition_penalty):
             raise ValueError(
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}."
+                f"repetition_penalty must be a finite number, got {self.repetition_penalty}."
             )
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if self.temperature > 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:

@@ -194,6 +194,12 @@ def test_n_choices_stop_strings_and_logprobs(llm):
         assert c.cumulative_logprob == pytest.approx(
             sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True)), abs=1e-4
         )
+    # as vLLM: choice i draws from seed + i, so seeded choices differ and choice 0 is n=1's
+    texts = [c.token_ids for c in out.outputs]
+    assert len({tuple(t) for t in texts}) == 3
+    alone = llm.generate(PROMPTS[2], params.clone(n=1))[0].outputs[0].token_ids
+    assert alone == texts[0]
+    assert llm.generate(PROMPTS[2], params.clone(n=1, seed=6))[0].outputs[0].token_ids == texts[1]
     full = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12))
     text = full[0].outputs[0].text
     assert "Paris" in text

@@ -232,3 +232,36 @@ def test_raw_sse_framing_ends_with_done(server):
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
     server.received.extend(("stream", "/v1/completions", 200, c) for c in chunks)
+
+
+def test_stream_options_as_vllm_reads_them(server):
+    """include_usage defaults to false (an empty object, or continuous_usage_stats alone, adds
+    no usage), an empty object without stream is no options, and continuous usage is each
+    choice's own count (n=2: the chunks of choice 1 count choice 1's tokens)."""
+
+    def usages(extra: dict) -> list:
+        body = {"prompt": CAPITAL, "max_tokens": 3, "stream": True, "ignore_eos": True, **extra}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+            lines = [line for line in resp.iter_lines() if line.startswith("data: {")]
+        return [
+            (c["choices"], c.get("usage")) for c in map(lambda line: json.loads(line[6:]), lines)
+        ]
+
+    null = {"prompt": CAPITAL, "max_tokens": None, "ignore_eos": True}  # vLLM: the default 16
+    assert server.post("/v1/completions", null).json()["usage"]["completion_tokens"] == 16
+    for options in ({}, {"continuous_usage_stats": True}):
+        assert all(u is None for _, u in usages({"stream_options": options}))
+    plain = server.post(
+        "/v1/completions", {"prompt": CAPITAL, "max_tokens": 2, "stream_options": {}}
+    )
+    assert plain.status_code == 200, plain.text
+    chunks = usages(
+        {"n": 2, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    )
+    last = {0: 0, 1: 0}
+    for choices, u in chunks[:-1]:
+        index = choices[0]["index"]
+        assert u["prompt_tokens"] == 5 and last[index] <= u["completion_tokens"] <= 3
+        last[index] = u["completion_tokens"]
+    assert last == {0: 3, 1: 3}  # each choice's own 3, never the sum
+    assert chunks[-1][0] == [] and chunks[-1][1]["completion_tokens"] == 6

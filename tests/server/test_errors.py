@@ -61,7 +61,9 @@ def test_too_large_max_tokens_names_the_numbers(server):
         ("n", 0, "n must be at least 1, got 0"),
         ("logprobs", 50, "logprobs must be in [0, 20], got 50"),
         ("best_of", 3, "best_of must be 1 or equal to n, got best_of=3"),
-        ("repetition_penalty", 0, "repetition_penalty must be in (0, 2], got 0"),
+        ("repetition_penalty", 0, "repetition_penalty must be greater than zero, got 0"),
+        ("temperature", 2.5, "temperature must be in [0, 2], got 2.5"),
+        ("n", 10**22, "n must be at most 16384, got 10000000000000000000000"),
         ("min_p", 1.5, "min_p must be in [0, 1], got 1.5"),
         ("max_tokens", 0, "max_tokens must be at least 1, got 0"),
     ],
@@ -69,6 +71,95 @@ def test_too_large_max_tokens_names_the_numbers(server):
 def test_invalid_sampling_values_are_400(server, field, value, needle):
     resp = server.post("/v1/completions", {"prompt": CAPITAL, field: value})
     assert needle in error_of(resp, 400, "BadRequestError")
+
+
+def test_non_finite_sampling_values_are_400(server):
+    """JSON's NaN and Infinity (which Python's parser takes) are refused, not sampled with."""
+    for literal in ("NaN", "Infinity", "1e400"):
+        raw = httpx.post(
+            f"{server.url}/v1/completions",
+            content=f'{{"prompt": "{CAPITAL}", "max_tokens": 2, "temperature": {literal}}}',
+            headers={"content-type": "application/json"},
+            timeout=10,
+        )
+        assert "temperature must be a finite number" in error_of(raw, 400, "BadRequestError")
+
+
+def test_text_that_is_not_unicode_is_400_not_500(server):
+    """A lone surrogate (JSON's \\ud800) in a prompt, a message or /tokenize's prompt."""
+    bodies = [
+        ("/v1/completions", '{"prompt": "Hi \\ud800 there", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+         "messages"),
+        ("/tokenize", '{"prompt": "\\udfff"}', "prompt"),
+    ]  # fmt: skip
+    for path, body, param in bodies:
+        raw = httpx.post(
+            f"{server.url}{path}",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=10,
+        )
+        message = error_of(raw, 400, "BadRequestError")
+        assert message == f"The text in `{param}` is not valid Unicode (surrogates not allowed)."
+        assert raw.json()["error"]["param"] == param
+
+
+def test_chat_templates_tools_and_formats_as_vllm_refuses_them(server):
+    user = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    refused = [
+        ({"chat_template": "{{ 'x' }}"}, "--trust-request-chat-template is not set"),
+        ({"chat_template_kwargs": {"chat_template": "x"}}, "untrusted chat template"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "unexpected chat template kwargs"),
+        ({"tools": [tool]}, "tool_choice 'auto' needs a tool-call parser"),
+        ({"tools": [tool], "tool_choice": "required"}, "tool_choice 'required'"),
+        ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+        ({"tools": []}, "`tools` must not be an empty array"),
+        ({"tools": [{"foo": 1}], "tool_choice": "none"}, "Each tool must be"),
+        ({"response_format": {"type": "json_object"}}, "is not supported"),
+    ]
+    for extra, needle in refused:
+        resp = server.post("/v1/chat/completions", {"messages": user, "max_tokens": 2, **extra})
+        assert needle in error_of(resp, 400, "BadRequestError"), extra
+    fmt = {"prompt": CAPITAL, "response_format": {"type": "json_object"}}
+    assert "is not supported" in error_of(
+        server.post("/v1/completions", fmt), 400, "BadRequestError"
+    )
+    served = [
+        {"tools": [tool], "tool_choice": "none"},  # rendered into the prompt only
+        {"chat_template_kwargs": {"add_generation_prompt": False}},  # the request's field wins
+    ]
+    for extra in served:
+        resp = server.post("/v1/chat/completions", {"messages": user, "max_tokens": 2, **extra})
+        assert resp.status_code == 200, (extra, resp.text)
+
+
+def test_vllm_caps_and_fields_kvflow_lacks_are_400_not_ignored(server):
+    cases = [
+        ({"prompt": ["a"] * 1025}, "prompt list length 1025 exceeds the maximum allowed count"),
+        ({"prompt": CAPITAL, "stop": list("abcde")}, "stop"),
+        ({"prompt": CAPITAL, "allowed_token_ids": [5]}, "`allowed_token_ids` is not supported"),
+        ({"prompt": CAPITAL, "bad_words": ["x"]}, "`bad_words` is not supported"),
+        ({"prompt": CAPITAL, "truncate_prompt_tokens": 5000}, "smaller truncation size"),
+    ]
+    for body, needle in cases:
+        message = error_of(server.post("/v1/completions", body), 400, "BadRequestError")
+        assert needle in message, (body.keys(), message)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_or_the_first(server):
+    ids = list(range(1000, 1020))
+    for side, kept in ((None, ids[-6:]), ("left", ids[-6:]), ("right", ids[:6])):
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True}
+        extra = {"truncate_prompt_tokens": 6} | ({} if side is None else {"truncation_side": side})
+        out = server.post("/v1/completions", {**body, **extra}).json()
+        assert out["usage"]["prompt_tokens"] == 6, out
+        text = server.post("/detokenize", {"tokens": kept}).json()["prompt"]
+        assert out["choices"][0]["text"].startswith(text)
+    chat = {"messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 1}
+    out = server.post("/v1/chat/completions", {**chat, "truncate_prompt_tokens": 10}).json()
+    assert out["usage"]["prompt_tokens"] == 10
 
 
 def test_unknown_model_is_404(server, client):

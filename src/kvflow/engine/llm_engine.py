@@ -135,15 +135,17 @@ class LLMEngine:
             params = params.clone(stop_token_ids=[*params.stop_token_ids, *sorted(extra)])
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        for child_id in self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, params
-        ):
+        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        for i, child_id in enumerate(children):
+            child = params
+            if i and params.seed is not None:  # as vLLM: choice i draws from seed + i
+                child = params.clone(seed=params.seed + i)
             self.core.add_request(
                 Request(
                     child_id,
                     list(prompt_token_ids),
                     params.max_tokens,
-                    sampling_params=params,
+                    sampling_params=child,
                     eos_token_id=self.eos_token_id,
                     stop_token_ids=frozenset(params.stop_token_ids),
                     min_tokens=params.min_tokens,

@@ -127,6 +127,7 @@ def build_app(
         model_root=root,
         request_timeout=args.request_timeout,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     ctx = ServerContext(
         engine=async_engine,

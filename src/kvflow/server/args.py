@@ -96,6 +96,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--api-key", default=None, help="guards /v1/* (also $VLLM_API_KEY)")
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat template sent with a request (refused otherwise, as vLLM does)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=0.0,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvflow.outputs import Logprob
 
@@ -25,6 +25,21 @@ def now() -> int:
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+MAX_STOP_STRINGS = 4  # vLLM's defaults (VLLM_MAX_STOP_STRINGS, VLLM_MAX_COMPLETION_PROMPTS)
+MAX_PROMPTS = 1024
+# vLLM request fields kvflow does not implement: refused when set, never silently ignored
+UNSUPPORTED_FIELDS = (
+    "allowed_token_ids",
+    "bad_words",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "prompt_embeds",
+)
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -45,7 +60,7 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(RequestModel):
-    include_usage: bool | None = True
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
@@ -63,13 +78,13 @@ class UsageInfo(BaseModel):
 class SamplingFields(RequestModel):
     """Sampling fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
-    n: int = 1
+    n: int | None = 1
     best_of: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -86,9 +101,16 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     request_timeout: float | None = Field(
         default=None, gt=0, description="kvflow: abort the request after this many seconds"
     )
+
+    @field_validator("n")
+    @classmethod
+    def _n_null_is_one(cls, n: int | None) -> int:
+        return 1 if n is None else n
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------
@@ -102,6 +124,16 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     suffix: str | None = None
     add_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_tokens_null_is_default(cls, data: Any) -> Any:
+        """As vLLM: an explicit null max_tokens is the default (16, within the context's room),
+        not the rest of the context."""
+        if isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None:
+            data = {k: v for k, v in data.items() if k != "max_tokens"}
+        return data
 
 
 class CompletionLogProbs(BaseModel):

@@ -24,6 +24,7 @@ from kvflow.engine.async_llm import (
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.protocol import (
+    UNSUPPORTED_FIELDS,
     ChatTemplateFields,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -140,6 +141,17 @@ def usage(prompts: Sequence[Prompt], choices: dict[int, ChoiceState]) -> UsageIn
     )
 
 
+def check_response_format(response_format: Any) -> None:
+    """Plain text only: structured outputs (json_object, json_schema, ...) are not supported,
+    which is said, not ignored."""
+    if response_format is None:
+        return
+    if not isinstance(response_format, dict) or response_format.get("type", "text") != "text":
+        raise ServingError(
+            f"response_format {response_format!r} is not supported.", param="response_format"
+        )
+
+
 class BaseServing:
     def __init__(
         self,
@@ -148,6 +160,7 @@ class BaseServing:
         model_root: str,
         request_timeout: float | None = None,
         log_requests: bool = False,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         self.served_names = served_names
@@ -155,6 +168,7 @@ class BaseServing:
         self.model_root = model_root
         self.request_timeout = request_timeout
         self.log_requests = log_requests
+        self.trust_request_chat_template = trust_request_chat_template
 
     @property
     def tokenizer(self) -> Any:
@@ -179,11 +193,19 @@ class BaseServing:
     ) -> SamplingParams:
         if req.use_beam_search:
             raise ServingError("Beam search is not supported.", param="use_beam_search")
+        for name in UNSUPPORTED_FIELDS:
+            if (req.model_extra or {}).get(name):
+                raise ServingError(f"`{name}` is not supported by kvflow.", param=name)
         if req.prompt_logprobs and req.stream:  # vLLM's rule and wording (0 is allowed)
             raise ServingError(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
             )
-        if req.stream_options is not None and not req.stream:
+        options = req.stream_options  # as vLLM: an empty object is no options
+        if (
+            options is not None
+            and (options.model_fields_set or options.model_extra)
+            and not req.stream
+        ):
             raise ServingError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
@@ -216,6 +238,18 @@ class BaseServing:
         except (ValueError, TypeError) as exc:
             raise ServingError(str(exc)) from exc
 
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of request text; text that is not Unicode the tokenizer can take (a lone
+        surrogate, which JSON's \\ud800 escapes can carry) is the request's fault: 400."""
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise ServingError(
+                f"The text in `{param}` is not valid Unicode ({exc.reason}).",
+                param=param,
+            ) from exc
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def token_prompt(self, token_ids: list[int]) -> Prompt:
         try:
             ids = self.engine.engine.tokenize_prompt(token_ids)
@@ -228,21 +262,34 @@ class BaseServing:
             raise ServingError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
+        kwargs = dict(req.chat_template_kwargs or {})
+        template = req.chat_template or kwargs.pop("chat_template", None)
+        if template is not None and not self.trust_request_chat_template:
+            raise ServingError(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template.",
+                param="chat_template",
+            )
+        if unexpected := {"tokenize", "conversation"} & kwargs.keys():
+            raise ServingError(
+                f"Found unexpected chat template kwargs from request: {sorted(unexpected)}",
+                param="chat_template_kwargs",
+            )
+        # as vLLM: the request's own fields win over the same keys in chat_template_kwargs
+        kwargs.update(
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+        )
+        if req.tools is not None:
+            kwargs["tools"] = req.tools
         messages = [self._message(m.role, m.content, m.name) for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                tools=req.tools,
-                **(req.chat_template_kwargs or {}),
+                messages, tokenize=False, chat_template=template, **kwargs
             )
         except Exception as exc:  # a template error is the request's fault
             raise ServingError(f"Could not apply the chat template: {exc}") from exc
-        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-        return Prompt(text, ids)
+        return Prompt(text, self.encode(text, req.add_special_tokens, "messages"))
 
     @staticmethod
     def _message(role: str, content: Any, name: str | None) -> dict[str, Any]:
@@ -259,6 +306,25 @@ class BaseServing:
         return message
 
     # ---- running requests --------------------------------------------------------------------
+
+    def truncate(self, prompt: Prompt, req: SamplingFields) -> Prompt:
+        """vLLM's `truncate_prompt_tokens` (-1: the context less one token of room): keep the
+        last k tokens, or the first k with `truncation_side` "right"."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k == -1:
+            k = self.max_model_len - 1
+        if k > self.max_model_len:
+            raise ServingError(
+                f"truncate_prompt_tokens={k} cannot be greater than max_model_len="
+                f"{self.max_model_len}. Please request a smaller truncation size.",
+                param="truncate_prompt_tokens",
+            )
+        if len(prompt.token_ids) <= k:
+            return prompt
+        ids = prompt.token_ids[:k] if req.truncation_side == "right" else prompt.token_ids[-k:]
+        return Prompt(None, ids if k else [])
 
     def submit(
         self, request_id: str, prompts: list[Prompt], params: list[SamplingParams]
@@ -341,7 +407,7 @@ class BaseServing:
         if isinstance(req, TokenizeChatRequest):
             ids = self.render_chat(req).token_ids
         else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.encode(req.prompt, req.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs

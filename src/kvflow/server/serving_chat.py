@@ -27,6 +27,7 @@ from kvflow.server.serving import (
     EventStream,
     Prompt,
     ServingError,
+    check_response_format,
     clamp_logprob,
     clamp_prompt_logprobs,
     sse,
@@ -43,7 +44,7 @@ class ChatServing(BaseServing):
         """Validates and queues before returning: a refused request raises ServingError here."""
         self.check_model(req.model)
         self._check_unsupported(req)
-        prompt = self.render_chat(req)
+        prompt = self.truncate(self.render_chat(req), req)
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens  # None: the rest of the context
@@ -67,13 +68,40 @@ class ChatServing(BaseServing):
             raise ServingError(
                 f"`top_logprobs` must be in [0, 20], got {req.top_logprobs}.", param="top_logprobs"
             )
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
+        check_response_format(req.response_format)
+        # vLLM's rules for tools (its server without a tool-call parser): tools alone mean
+        # tool_choice "auto", which needs one; "none" renders the tools into the prompt only
+        if req.tools == []:
             raise ServingError(
-                f"response_format type {fmt!r} is not supported.", param="response_format"
+                "`tools` must not be an empty array. Either provide at least one tool or omit "
+                "the field entirely.",
+                param="tools",
             )
-        if req.tool_choice not in (None, "none", "auto"):
-            raise ServingError("Tool calling is not supported.", param="tool_choice")
+        for tool in req.tools or []:
+            function = tool.get("function")
+            if (
+                tool.get("type") != "function"
+                or not isinstance(function, dict)
+                or not (isinstance(function.get("name"), str))
+            ):
+                raise ServingError(
+                    'Each tool must be {"type": "function", "function": {"name": ...}}.',
+                    param="tools",
+                )
+        choice = req.tool_choice
+        if "tool_choice" not in req.model_fields_set and req.tools:
+            choice = "auto"
+        if choice not in (None, "none"):
+            if req.tools is None:
+                raise ServingError(
+                    "When using `tool_choice`, `tools` must be set.", param="tool_choice"
+                )
+            raise ServingError(
+                f"Tool calling is not supported: tool_choice {choice!r} needs a tool-call "
+                'parser, which kvflow does not have. With tool_choice "none" the tools are '
+                "rendered into the prompt only.",
+                param="tool_choice",
+            )
 
     def chat_logprobs(
         self, pairs: list[tuple[int, dict[int, Logprob]]], top_n: int
@@ -153,8 +181,9 @@ class _ChatRun:
                     chunk = self._delta_chunk(delta)
                     if chunk is None:
                         continue
-                    if continuous:
-                        chunk.usage = usage([self.prompt], self.choices)
+                    if continuous:  # as vLLM: this choice's tokens
+                        own = {delta.index: self.choices[delta.index]}
+                        chunk.usage = usage([self.prompt], own)
                     yield sse(chunk)
             if include_usage:
                 final = self._base([])

@@ -10,6 +10,7 @@ from dataclasses import replace
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.protocol import (
+    MAX_PROMPTS,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -27,6 +28,7 @@ from kvflow.server.serving import (
     EventStream,
     Prompt,
     ServingError,
+    check_response_format,
     clamp_logprob,
     clamp_prompt_logprobs,
     sse,
@@ -74,6 +76,7 @@ class CompletionServing(BaseServing):
         self.check_model(req.model)
         if req.suffix is not None:
             raise ServingError("suffix is not currently supported", param="suffix")
+        check_response_format(req.response_format)
         prompts = self._prompts(req)
         params = [self._params(req, p) for p in prompts]
         request_id = random_id("cmpl")
@@ -91,13 +94,19 @@ class CompletionServing(BaseServing):
             raw = [raw]
         if not raw:
             raise ServingError("The prompt cannot be empty.", param="prompt")
+        if len(raw) > MAX_PROMPTS:  # vLLM's bound and wording
+            raise ServingError(
+                f"prompt list length {len(raw)} exceeds the maximum allowed count of "
+                f"{MAX_PROMPTS}.",
+                param="prompt",
+            )
         prompts = []
         for item in raw:
             if isinstance(item, str):
-                ids = self.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-                prompts.append(Prompt(item, ids))
+                prompt = Prompt(item, self.encode(item, req.add_special_tokens))
             else:
-                prompts.append(self.token_prompt(list(item)))
+                prompt = self.token_prompt(list(item))
+            prompts.append(self.truncate(prompt, req))
         return prompts
 
     def _params(self, req: CompletionRequest, prompt: Prompt) -> SamplingParams:
@@ -205,8 +214,10 @@ class _Run:
                     chunk = self._chunk(i, delta)
                     if chunk is None:
                         continue
-                    if continuous:
-                        chunk.usage = usage(self.prompts, self.choices)
+                    if continuous:  # as vLLM: this choice's prompt and tokens
+                        key = chunk.choices[0].index
+                        own = [self.prompts[key // self.req.n]]
+                        chunk.usage = usage(own, {key: self.choices[key]})
                     yield sse(chunk)
             if include_usage:
                 yield sse(self._chunk_base([], usage(self.prompts, self.choices)))
