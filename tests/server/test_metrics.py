@@ -31,6 +31,13 @@ TYPES = {
     "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
     "vllm:cache_config_info": "gauge",
 }
 
@@ -81,6 +88,23 @@ def test_counters_move_by_exactly_what_was_sent(server):
     assert delta("vllm:prefix_cache_hits_total") >= 0
     assert delta("vllm:iteration_tokens_total_sum") == 2 * (5 + 4)
     assert delta("vllm:num_preemptions_total") == 0
+    # vLLM's per-request intervals: inference = prefill + decode, each request once
+    phases = {p: delta(f"vllm:request_{p}_time_seconds_sum") for p in ("prefill", "decode")}
+    inference = delta("vllm:request_inference_time_seconds_sum")
+    assert inference == pytest.approx(phases["prefill"] + phases["decode"], abs=1e-6)
+    assert phases["decode"] > 0 and delta("vllm:request_decode_time_seconds_count") == 2
+    assert delta("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(
+        phases["decode"] / 4, rel=1e-6
+    )  # 5 tokens: 4 after the first, per request
+    assert delta("vllm:request_params_n_sum") == 2
+    assert delta("vllm:request_params_max_tokens_sum") == 10
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 10
+    choices = {**body, "ignore_eos": True, "n": 3, "max_tokens": 4, "temperature": 1.0}
+    before = scrape(server)
+    assert server.post("/v1/completions", choices).json()["usage"]["completion_tokens"] == 12
+    after = scrape(server)
+    assert delta("vllm:request_params_n_sum") == 3
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 4  # the longest choice's
 
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 800, "ignore_eos": True, "temperature": 0}

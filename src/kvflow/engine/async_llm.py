@@ -342,7 +342,9 @@ class AsyncEngine:
                 outputs += self.engine.abort_request(ids)
                 continue
             n_prompt = len(cmd.prompt_token_ids)
-            self._tracker.arrive(cmd.request_id, cmd.params.n, n_prompt, cmd.arrival)
+            self._tracker.arrive(
+                cmd.request_id, cmd.params.n, n_prompt, cmd.arrival, cmd.params.max_tokens
+            )
             try:
                 self.engine.add_request(
                     cmd.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt

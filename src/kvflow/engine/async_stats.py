@@ -22,11 +22,22 @@ logger = logging.getLogger("kvflow.engine")
 
 @dataclass(frozen=True)
 class FinishedRequestStats:
+    """vLLM's intervals: queued (arrival to first scheduled), prefill (to the first token),
+    decode (first to last token), inference (first scheduled to last token); time per output
+    token is decode over the longest choice's tokens after its first."""
+
     finish_reason: str
     e2e_latency: float
     queued_time: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
+    time_per_output_token: float = 0.0
+    n: int = 1
+    max_tokens: int | None = None
+    max_choice_tokens: int = 0
 
 
 @dataclass
@@ -55,9 +66,12 @@ class _Track:
     n: int
     num_prompt_tokens: int
     arrival: float
+    max_tokens: int | None = None
     scheduled_at: float | None = None
+    first_token: float | None = None
     last_token: float | None = None
     num_generated: int = 0
+    per_choice: dict[int, int] = field(default_factory=dict)  # choice index -> its tokens
 
 
 class StatsTracker:
@@ -80,8 +94,15 @@ class StatsTracker:
     def live_choices(self) -> dict[str, int]:
         return {request_id: t.n for request_id, t in self._tracks.items()}
 
-    def arrive(self, request_id: str, n: int, num_prompt_tokens: int, arrival: float) -> None:
-        self._tracks[request_id] = _Track(n, num_prompt_tokens, arrival)
+    def arrive(
+        self,
+        request_id: str,
+        n: int,
+        num_prompt_tokens: int,
+        arrival: float,
+        max_tokens: int | None = None,
+    ) -> None:
+        self._tracks[request_id] = _Track(n, num_prompt_tokens, arrival, max_tokens)
 
     def iteration(
         self,
@@ -111,9 +132,12 @@ class StatsTracker:
         if track is None:
             return
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        for c in output.outputs:
+            track.per_choice[c.index] = track.per_choice.get(c.index, 0) + len(c.token_ids)
         if new_tokens:
             if track.last_token is None:
                 track.scheduled_at = output.metrics.get("first_scheduled_time", step_start)
+                track.first_token = now
                 stats.time_to_first_tokens.append(now - track.arrival)
                 stats.num_prompt_tokens += track.num_prompt_tokens
             else:
@@ -124,13 +148,24 @@ class StatsTracker:
         if output.finished:
             del self._tracks[output.request_id]
             reasons = [str(c.finish_reason) for c in output.outputs if c.finish_reason]
+            scheduled = track.scheduled_at or now
+            first = track.first_token or now
+            last = track.last_token or now
+            longest = max(track.per_choice.values(), default=0)
             stats.finished.append(
                 FinishedRequestStats(
                     finish_reason=reasons[-1] if reasons else "abort",
                     e2e_latency=now - track.arrival,
-                    queued_time=(track.scheduled_at or now) - track.arrival,
+                    queued_time=scheduled - track.arrival,
                     num_prompt_tokens=track.num_prompt_tokens,
                     num_generation_tokens=track.num_generated,
+                    prefill_time=first - scheduled,
+                    decode_time=last - first,
+                    inference_time=last - scheduled,
+                    time_per_output_token=(last - first) / (longest - 1) if longest > 1 else 0.0,
+                    n=track.n,
+                    max_tokens=track.max_tokens,
+                    max_choice_tokens=longest,
                 )
             )
 

@@ -145,6 +145,33 @@ class ServerMetrics:
             "Number of generation tokens processed.",
             token_buckets,
         )
+        phases = {  # vLLM's names for a finished request's intervals
+            "prefill": "Histogram of time spent in PREFILL phase for request.",
+            "decode": "Histogram of time spent in DECODE phase for request.",
+            "inference": "Histogram of time spent in RUNNING phase for request.",
+        }
+        self.phase_time = {
+            phase: histogram(f"vllm:request_{phase}_time_seconds", doc, _REQUEST_LATENCY_BUCKETS)
+            for phase, doc in phases.items()
+        }
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            _ITL_BUCKETS,
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]
+        )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
 
     def _cache_info(self, config: EngineConfig, gpu_memory_utilization: float) -> None:
         info = {
@@ -190,6 +217,14 @@ class ServerMetrics:
             self.queue_time.observe(done.queued_time)
             self.request_prompt_tokens.observe(done.num_prompt_tokens)
             self.request_generation_tokens.observe(done.num_generation_tokens)
+            self.phase_time["prefill"].observe(done.prefill_time)
+            self.phase_time["decode"].observe(done.decode_time)
+            self.phase_time["inference"].observe(done.inference_time)
+            self.tpot.observe(done.time_per_output_token)
+            self.params_n.observe(done.n)
+            self.max_generation_tokens.observe(done.max_choice_tokens)
+            if done.max_tokens:
+                self.params_max_tokens.observe(done.max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
