@@ -59,6 +59,31 @@ def test_chat_streaming_role_first_then_content_usage_done(server, client):
     assert finishes[-1] == expected.choices[0].finish_reason
 
 
+def test_echo_starts_the_reply_with_a_continued_message(client):
+    """vLLM's chat `echo`: continuing the last (assistant) message, the reply starts with it,
+    streamed or not; with a generation prompt after a user message there is nothing to echo."""
+    partial = [*QUESTION, {"role": "assistant", "content": "The capital"}]
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    common = dict(model=MODEL, messages=partial, temperature=0, max_tokens=4)
+    plain = client.chat.completions.create(**common, extra_body=continued)
+    echoed = client.chat.completions.create(**common, extra_body={**continued, "echo": True})
+    reply = plain.choices[0].message.content
+    assert echoed.choices[0].message.content == "The capital" + reply
+    assert echoed.usage == plain.usage
+    stream = client.chat.completions.create(
+        **common, stream=True, extra_body={**continued, "echo": True}
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == "The capital" + reply
+    asked = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=4, extra_body={"echo": True}
+    )
+    unechoed = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=4
+    )
+    assert asked.choices[0].message.content == unechoed.choices[0].message.content
+
+
 def test_chat_raw_sse_records_chunks(server):
     body = {"messages": QUESTION, "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as resp:

@@ -21,6 +21,12 @@ def error_of(resp: httpx.Response, status: int, err_type: str) -> str:
     return err["message"]
 
 
+def post_raw(server, path: str, content: str | bytes) -> httpx.Response:
+    """A body sent as is (not JSON the client made): NaN literals, escapes, broken JSON."""
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=10)
+
+
 def test_over_long_prompt_is_400_before_anything_is_queued(server):
     before = scrape(server)
     resp = server.post("/v1/completions", {"prompt": [504] * 1100, "max_tokens": 4})
@@ -76,12 +82,8 @@ def test_invalid_sampling_values_are_400(server, field, value, needle):
 def test_non_finite_sampling_values_are_400(server):
     """JSON's NaN and Infinity (which Python's parser takes) are refused, not sampled with."""
     for literal in ("NaN", "Infinity", "1e400"):
-        raw = httpx.post(
-            f"{server.url}/v1/completions",
-            content=f'{{"prompt": "{CAPITAL}", "max_tokens": 2, "temperature": {literal}}}',
-            headers={"content-type": "application/json"},
-            timeout=10,
-        )
+        body = f'{{"prompt": "{CAPITAL}", "max_tokens": 2, "temperature": {literal}}}'
+        raw = post_raw(server, "/v1/completions", body)
         assert "temperature must be a finite number" in error_of(raw, 400, "BadRequestError")
 
 
@@ -94,12 +96,7 @@ def test_text_that_is_not_unicode_is_400_not_500(server):
         ("/tokenize", '{"prompt": "\\udfff"}', "prompt"),
     ]  # fmt: skip
     for path, body, param in bodies:
-        raw = httpx.post(
-            f"{server.url}{path}",
-            content=body,
-            headers={"content-type": "application/json"},
-            timeout=10,
-        )
+        raw = post_raw(server, path, body)
         message = error_of(raw, 400, "BadRequestError")
         assert message == f"The text in `{param}` is not valid Unicode (surrogates not allowed)."
         assert raw.json()["error"]["param"] == param
@@ -175,12 +172,7 @@ def test_schema_errors_are_400_not_422(server):
     assert "prompt" in error_of(missing, 400, "BadRequestError")
     wrong = server.post("/v1/completions", {"prompt": CAPITAL, "max_tokens": "many"})
     assert "max_tokens" in error_of(wrong, 400, "BadRequestError")
-    raw = httpx.post(
-        f"{server.url}/v1/completions",
-        content=b"{not json",
-        headers={"content-type": "application/json"},
-        timeout=10,
-    )
+    raw = post_raw(server, "/v1/completions", b"{not json")
     assert "Invalid JSON" in error_of(raw, 400, "BadRequestError")
 
 

@@ -70,7 +70,6 @@ class _Track:
     scheduled_at: float | None = None
     first_token: float | None = None
     last_token: float | None = None
-    num_generated: int = 0
     per_choice: dict[int, int] = field(default_factory=dict)  # choice index -> its tokens
 
 
@@ -143,7 +142,6 @@ class StatsTracker:
             else:
                 stats.inter_token_latencies.append(now - track.last_token)
             track.last_token = now
-            track.num_generated += new_tokens
             stats.num_generation_tokens += new_tokens
         if output.finished:
             del self._tracks[output.request_id]
@@ -158,7 +156,7 @@ class StatsTracker:
                     e2e_latency=now - track.arrival,
                     queued_time=scheduled - track.arrival,
                     num_prompt_tokens=track.num_prompt_tokens,
-                    num_generation_tokens=track.num_generated,
+                    num_generation_tokens=sum(track.per_choice.values()),
                     prefill_time=first - scheduled,
                     decode_time=last - first,
                     inference_time=last - scheduled,

@@ -205,6 +205,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
+    echo: bool = False  # vLLM's: the reply starts with the last message if its role is the reply's
 
 
 class ChatCompletionLogProb(BaseModel):

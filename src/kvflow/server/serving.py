@@ -321,10 +321,10 @@ class BaseServing:
                 f"{self.max_model_len}. Please request a smaller truncation size.",
                 param="truncate_prompt_tokens",
             )
-        if len(prompt.token_ids) <= k:
+        ids = prompt.token_ids
+        if len(ids) <= k:
             return prompt
-        ids = prompt.token_ids[:k] if req.truncation_side == "right" else prompt.token_ids[-k:]
-        return Prompt(None, ids if k else [])
+        return Prompt(None, ids[:k] if req.truncation_side == "right" else ids[len(ids) - k :])
 
     def submit(
         self, request_id: str, prompts: list[Prompt], params: list[SamplingParams]

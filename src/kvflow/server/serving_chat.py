@@ -79,11 +79,8 @@ class ChatServing(BaseServing):
             )
         for tool in req.tools or []:
             function = tool.get("function")
-            if (
-                tool.get("type") != "function"
-                or not isinstance(function, dict)
-                or not (isinstance(function.get("name"), str))
-            ):
+            named = isinstance(function, dict) and isinstance(function.get("name"), str)
+            if tool.get("type") != "function" or not named:
                 raise ServingError(
                     'Each tool must be {"type": "function", "function": {"name": ...}}.',
                     param="tools",
@@ -137,6 +134,19 @@ class _ChatRun:
         self.prompt = prompt
         self.choices = {i: ChoiceState() for i in range(req.n)}
         self.prompt_logprobs: list | None = None
+        self.echo = self._echo(req)
+
+    @staticmethod
+    def _echo(req: ChatCompletionRequest) -> str:
+        """vLLM's `echo`: the last message's text, when its role is the reply's (the assistant
+        with a generation prompt, else the last message's own role: a continued message)."""
+        if not req.echo or not req.messages:
+            return ""
+        last = req.messages[-1]
+        if last.role != ("assistant" if req.add_generation_prompt else last.role):
+            return ""
+        content = last.content or ""
+        return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
 
     def _logprobs(self, pairs: list) -> ChatCompletionLogProbs | None:
         if not self.req.logprobs:
@@ -152,7 +162,9 @@ class _ChatRun:
         choices = [
             ChatCompletionResponseChoice(
                 index=i,
-                message=ChatResponseMessage(role="assistant", content="".join(state.text)),
+                message=ChatResponseMessage(
+                    role="assistant", content=self.echo + "".join(state.text)
+                ),
                 logprobs=self._logprobs(state.logprobs),
                 finish_reason=state.finish_reason,
                 stop_reason=state.stop_reason,
@@ -176,6 +188,8 @@ class _ChatRun:
             for i in range(self.req.n):
                 role = DeltaMessage(role="assistant", content="")
                 yield sse(self._chunk(i, role, None, None))
+            for i in range(self.req.n if self.echo else 0):
+                yield sse(self._chunk(i, DeltaMessage(content=self.echo), None, None))
             async for _, output in results:
                 for delta in output.outputs:
                     chunk = self._delta_chunk(delta)
