@@ -135,6 +135,7 @@ def test_chat_templates_tools_and_formats_as_vllm_refuses_them(server):
 def test_vllm_caps_and_fields_kvflow_lacks_are_400_not_ignored(server):
     cases = [
         ({"prompt": ["a"] * 1025}, "prompt list length 1025 exceeds the maximum allowed count"),
+        ({"prompt": ["a"] * 1024, "n": 17}, "1024 prompts x n=17 = 17408 choices; at most 16384"),
         ({"prompt": CAPITAL, "stop": list("abcde")}, "stop"),
         ({"prompt": CAPITAL, "allowed_token_ids": [5]}, "`allowed_token_ids` is not supported"),
         ({"prompt": CAPITAL, "bad_words": ["x"]}, "`bad_words` is not supported"),

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import MAX_N_SEQUENCES, SamplingParams
 from kvflow.server.protocol import (
     MAX_PROMPTS,
     CompletionLogProbs,
@@ -99,6 +99,12 @@ class CompletionServing(BaseServing):
                 f"prompt list length {len(raw)} exceeds the maximum allowed count of "
                 f"{MAX_PROMPTS}.",
                 param="prompt",
+            )
+        if len(raw) > 1 and len(raw) * (req.n or 1) > MAX_N_SEQUENCES:  # each is a request
+            raise ServingError(
+                f"{len(raw)} prompts x n={req.n} = {len(raw) * req.n} choices; at most "
+                f"{MAX_N_SEQUENCES} per request.",
+                param="n",
             )
         prompts = []
         for item in raw:
