@@ -138,7 +138,11 @@ def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatc
         thread.join()
     assert len(calls) == 1 and len(set(results)) == 1 and len(results) == 3
     target = results[0]
-    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json",
+        "kvflow-source.json",
+        "model.safetensors",
+    ]
     assert not list(cache.glob(".*tmp-*"))
     os.utime(gguf, ns=(0, 10**9))  # a changed file converts to a new directory
     assert resolve_model(str(gguf), str(cache)) != target
@@ -173,3 +177,30 @@ def test_stale_temp_dirs_of_killed_converters_are_removed(tmp_path, monkeypatch)
     )
     assert resolve_model(str(gguf), str(cache)) == target
     assert not stale.exists()
+
+
+def test_conversions_no_lookup_can_reach_are_removed(tmp_path, monkeypatch) -> None:
+    """A reinstall gives the GGUF a new mtime (a new key) or deletes it with its virtualenv:
+    the next conversion removes those directories (and their locks). A conversion whose GGUF
+    is still there, or one written before the source record existed, stays."""
+    monkeypatch.setattr(
+        loader, "_convert_into", lambda src, out: (out / "config.json").write_text("{}")
+    )
+    cache = tmp_path / "cache"
+    ggufs = {}
+    for name in ("kept", "deleted", "touched"):
+        ggufs[name] = tmp_path / name / "m.gguf"
+        ggufs[name].parent.mkdir()
+        ggufs[name].write_bytes(b"GGUF" + name.encode())
+    dirs = {name: resolve_model(str(g), str(cache)) for name, g in ggufs.items()}
+    legacy = cache / "m-000000000000"
+    legacy.mkdir()
+    (legacy / "config.json").write_text("{}")
+    ggufs["deleted"].unlink()
+    os.utime(ggufs["touched"], ns=(0, 10**9))
+    fresh = resolve_model(str(ggufs["touched"]), str(cache))  # a new key: converts, prunes
+    assert fresh not in dirs.values()
+    assert dirs["kept"].is_dir() and legacy.is_dir() and fresh.is_dir()
+    assert not dirs["deleted"].exists() and not dirs["touched"].exists()
+    locks = sorted(p.name for p in cache.glob("*.lock"))
+    assert locks == sorted(d.name + ".lock" for d in (dirs["kept"], fresh))

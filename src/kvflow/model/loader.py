@@ -97,9 +97,13 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
 
 def gguf_cache_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
     """Where `gguf_path` converts to: keyed by its name, size and mtime, so edits reconvert."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    key = hashlib.sha256(f"{gguf_path.name}:{_stamp(gguf_path)}".encode())
     return cache_root(cache_dir) / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+
+
+def _stamp(path: Path) -> str:
+    stat = path.stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
@@ -122,8 +126,40 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
         with scratch(tmp):
             tmp.chmod(0o755)
             _convert_into(gguf_path, tmp)
+            source = {"gguf": str(gguf_path.resolve()), "stamp": _stamp(gguf_path)}
+            (tmp / _SOURCE).write_text(json.dumps(source))
             os.rename(tmp, target)
+    _prune_unreachable(target.parent)
     return target
+
+
+_SOURCE = "kvflow-source.json"  # which GGUF (path, size and mtime) a cache directory holds
+
+
+def _prune_unreachable(root: Path) -> None:
+    """Remove the conversions no lookup can reach again: their GGUF is gone (its virtualenv
+    deleted) or changed (a reinstall gives it a new mtime, hence a new key). Each reinstall
+    used to leave its 0.5 GB conversion of the default model behind. Directories without a
+    source record (written before there was one) and those being converted are left alone."""
+    for entry in root.iterdir():
+        record = entry / _SOURCE
+        if entry.name.startswith(".") or not record.is_file():
+            continue
+        try:
+            source = json.loads(record.read_text())
+            gguf = Path(source["gguf"])
+            if gguf.is_file() and _stamp(gguf) == source["stamp"]:
+                continue  # reachable
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: nothing can reach it either
+        lock = entry.with_name(entry.name + ".lock")
+        with open(lock, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a converter holds it
+            shutil.rmtree(entry, ignore_errors=True)
+        lock.unlink(missing_ok=True)
 
 
 _SCRATCH: set[Path] = set()
