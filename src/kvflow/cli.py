@@ -8,7 +8,11 @@ import sys
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "float", "half"],
+    )
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="default: the rest of the context")
@@ -19,7 +23,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace, chat: bool) -> int:
     from kvflow import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    llm = LLM(args.model, dtype=dtype, device=args.device, max_model_len=args.max_model_len)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
@@ -53,17 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "serve":
         from kvflow.server.api_server import run_server
 
         return run_server(args)
-    if args.command in ("generate", "chat"):
-        return _generate(args, chat=args.command == "chat")
-    from kvflow.bench import serve as bench_serve
-    from kvflow.bench import throughput as bench_throughput
+    try:
+        if args.command in ("generate", "chat"):
+            return _generate(args, chat=args.command == "chat")
+        from kvflow.bench import serve as bench_serve
+        from kvflow.bench import throughput as bench_throughput
 
-    return (bench_serve if args.bench == "serve" else bench_throughput).main(args)
+        return (bench_serve if args.bench == "serve" else bench_throughput).main(args)
+    except (ValueError, OSError) as exc:  # a value the user can fix: one line, as serve does
+        name = " ".join(filter(None, [parser.prog, args.command, getattr(args, "bench", None)]))
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

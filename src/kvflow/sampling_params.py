@@ -48,6 +48,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.seed == -1:  # as vLLM: -1 is no seed (random)
+            self.seed = None
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0 if self.top_k is None or self.top_k == -1 else self.top_k
         if self.logit_bias:
@@ -64,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.n > MAX_N_SEQUENCES:
             raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
+        if self.n > 1 and self.greedy:  # vLLM's rule: n identical choices are a mistake
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if self.best_of is not None and self.best_of != self.n and self.best_of != 1:
             raise ValueError(f"best_of must be 1 or equal to n, got best_of={self.best_of}.")
         if not -2.0 <= self.presence_penalty <= 2.0:

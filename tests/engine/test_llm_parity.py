@@ -304,10 +304,9 @@ def test_prompt_logprobs_equal_transformers_through_chunks_preemption_and_async(
             ids = tok.encode(prompt)
             logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
             want.append([(ids[i], logprobs[i - 1]) for i in range(1, len(ids))])
-    params = [
-        SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=3, n=1 + (i == 2))
-        for i in range(len(prompts))
-    ]
+    greedy = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=3)
+    params = [greedy] * len(prompts)
+    params[2] = greedy.clone(n=2, temperature=1.0, seed=3)  # n > 1 samples (vLLM's rule)
     engines = {
         "chunked": LLM(None, dtype="float32", max_num_batched_tokens=16),
         "preempting": LLM(
@@ -344,6 +343,22 @@ def test_chat_uses_the_template(llm):
     )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_a_prompt_that_fails_midway_queues_nothing(llm):
+    """generate() is all or nothing for any error, not only ValueError: the prompts queued
+    before a bad one (here of a wrong type) are aborted, so nothing runs unseen afterwards."""
+    with pytest.raises((TypeError, KeyError)):
+        llm.generate(["The capital of France is", 5])
+    with pytest.raises((TypeError, KeyError)):
+        llm.generate(["The capital of France is", {"foo": 1}])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_as_vllm_reads_them():
+    assert SamplingParams(seed=-1).seed is None  # -1: no seed
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling, got 2"):
+        SamplingParams(n=2, temperature=0)
 
 
 def test_refused_prompt_queues_nothing_and_max_tokens_defaults_to_the_context():

@@ -78,6 +78,37 @@ def test_conflicting_models_are_refused():
         engine_args_from(parse("a", "--model", "b"))
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--block-size", "0"], "block_size must be at least 1, got 0"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be at least 1, got 0"),
+        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be at least 1"),
+        (["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1], got 2"),
+    ],
+)
+def test_impossible_engine_flags_are_refused_by_name(argv, needle):
+    """What vLLM's config refuses: before anything loads (--block-size 0 was a
+    ZeroDivisionError at KV sizing; --max-num-seqs 0 started and failed every request)."""
+    with pytest.raises(ValueError) as info:
+        engine_args_from(parse(*argv))
+    assert needle in str(info.value)
+
+
+def test_negative_shutdown_timeout_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse("--shutdown-timeout", "-1")
+    assert info.value.code == 2 and "must be >= 0" in capsys.readouterr().err
+
+
+def test_cli_reports_a_bad_value_in_one_line(capsys):
+    from kvflow.cli import main
+
+    assert main(["generate", "Hi", "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvflow generate: error: ")
+
+
 def engine_stats(**changes) -> EngineStats:
     values = dict(
         num_running=0,

@@ -45,6 +45,21 @@ def test_over_long_prompt_is_400_before_anything_is_queued(server):
     assert after.value("vllm:num_requests_waiting") == 0
 
 
+def test_megabytes_of_prompt_are_refused_before_the_tokenizer_runs(server):
+    """More characters than max_model_len tokens can hold (1024 x the longest token, 81 for
+    SmolLM2) is a 400 at once: tokenizing 5 MB held the event loop for 2.8 s."""
+    huge = "a" * 5_000_000
+    for path, body in (
+        ("/v1/completions", {"prompt": huge}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+        ("/tokenize", {"prompt": huge}),
+    ):
+        message = error_of(server.post(path, body), 400, "BadRequestError")
+        # the characters' bound, not a token count: the tokenizer never ran
+        assert "upper bound for 1024 input tokens" in message and "82944 characters" in message
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 def test_too_large_max_tokens_names_the_numbers(server):
     resp = server.post("/v1/completions", {"prompt": CAPITAL, "max_tokens": 2000})
     assert error_of(resp, 400, "BadRequestError") == (

@@ -58,7 +58,7 @@ class LLM:
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, token_ids, p, prompt=text)
                 order.append(request_id)
-        except ValueError:
+        except Exception:
             self.engine.abort_request(order)  # all or nothing: drop what was already queued
             raise
         return self._run(order, use_tqdm)

@@ -44,6 +44,17 @@ class EngineArgs:
     log_engine_steps: bool = False
     offline: bool = False  # made by `LLM` (vLLM's LLM_CLASS usage context), not a server
 
+    def __post_init__(self) -> None:
+        """Refuse what vLLM's config refuses, with the flag's name, before anything loads."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+
 
 class LLMEngine:
     def __init__(

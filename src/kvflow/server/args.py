@@ -102,7 +102,7 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_non_negative,
         default=0.0,
         help="on SIGTERM, drain in-flight requests for this many seconds (0: abort at once)",
     )
@@ -124,6 +124,13 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -8,6 +8,7 @@ or into an SSE error event once a stream has begun.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -178,6 +179,12 @@ class BaseServing:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The longest token's text: no prompt of more than max_model_len times this many
+        characters can fit (vLLM's bound, checked before the tokenizer runs)."""
+        return max(len(token) for token in self.tokenizer.get_vocab())
+
     def check_model(self, model: str | None) -> None:
         if model and model not in self.served_names:
             raise ServingError(f"The model `{model}` does not exist.", 404, param="model")
@@ -248,6 +255,15 @@ class BaseServing:
                 f"The text in `{param}` is not valid Unicode ({exc.reason}).",
                 param=param,
             ) from exc
+        bound = self.max_model_len * self.max_chars_per_token
+        if len(text) > bound:  # tokenizing megabytes would stall the event loop for seconds
+            raise ServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt contains {len(text)} characters (more than {bound} characters, "
+                f"which is the upper bound for {self.max_model_len} input tokens). Please reduce "
+                "the length of the input prompt.",
+                param=param,
+            )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def token_prompt(self, token_ids: list[int]) -> Prompt:
