@@ -23,8 +23,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace, chat: bool) -> int:
     from kvflow import LLM, SamplingParams
 
-    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
-    llm = LLM(args.model, dtype=dtype, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )

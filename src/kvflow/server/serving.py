@@ -208,11 +208,7 @@ class BaseServing:
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
             )
         options = req.stream_options  # as vLLM: an empty object is no options
-        if (
-            options is not None
-            and (options.model_fields_set or options.model_extra)
-            and not req.stream
-        ):
+        if options is not None and options.model_fields_set and not req.stream:
             raise ServingError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
@@ -246,15 +242,9 @@ class BaseServing:
             raise ServingError(str(exc)) from exc
 
     def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        """Token ids of request text; text that is not Unicode the tokenizer can take (a lone
-        surrogate, which JSON's \\ud800 escapes can carry) is the request's fault: 400."""
-        try:
-            text.encode()
-        except UnicodeEncodeError as exc:
-            raise ServingError(
-                f"The text in `{param}` is not valid Unicode ({exc.reason}).",
-                param=param,
-            ) from exc
+        """Token ids of request text. Text longer than any prompt that fits, or not Unicode the
+        tokenizer can take (a lone surrogate, which JSON's \\ud800 escapes can carry), is the
+        request's fault: 400, before the tokenizer runs."""
         bound = self.max_model_len * self.max_chars_per_token
         if len(text) > bound:  # tokenizing megabytes would stall the event loop for seconds
             raise ServingError(
@@ -264,6 +254,13 @@ class BaseServing:
                 "the length of the input prompt.",
                 param=param,
             )
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise ServingError(
+                f"The text in `{param}` is not valid Unicode ({exc.reason}).",
+                param=param,
+            ) from exc
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def token_prompt(self, token_ids: list[int]) -> Prompt:

@@ -100,7 +100,7 @@ class CompletionServing(BaseServing):
                 f"{MAX_PROMPTS}.",
                 param="prompt",
             )
-        if len(raw) > 1 and len(raw) * (req.n or 1) > MAX_N_SEQUENCES:  # each is a request
+        if len(raw) > 1 and len(raw) * req.n > MAX_N_SEQUENCES:  # each choice is a request
             raise ServingError(
                 f"{len(raw)} prompts x n={req.n} = {len(raw) * req.n} choices; at most "
                 f"{MAX_N_SEQUENCES} per request.",

@@ -50,10 +50,10 @@ def default_max_num_batched_tokens(device: str, offline: bool) -> int:
 
 
 def batched_tokens_for_card(total_memory: int, name: str, offline: bool) -> int:
-    """vLLM's defaults: 16384 on cards of 160 GiB or more; on 70 GiB or more but an A100 (H100,
-    H200) 16384 offline (`LLM`) and 8192 served; elsewhere 8192 offline and 2048 served. A
-    prefill step runs eagerly, a few hundred kernel launches whatever its size: a bigger
-    budget means fewer of them per prompt."""
+    """vLLM's defaults: 16384 on cards of 160 GiB or more; on other cards of 70 GiB or more
+    except an A100 (H100, H200) 16384 offline (`LLM`) and 8192 served; elsewhere 8192 offline
+    and 2048 served. A prefill step runs eagerly, a few hundred kernel launches whatever its
+    size: a bigger budget means fewer of them per prompt."""
     if total_memory >= 160 * GIB:
         return 16384
     if total_memory >= 70 * GIB and "a100" not in name.lower():
