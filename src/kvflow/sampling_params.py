@@ -10,6 +10,45 @@ MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: choices a reques
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One output constraint, as vLLM's `StructuredOutputsParams`: exactly one field is set.
+
+    json: a JSON schema (dict or its text); regex: a regular expression; choice: the output is one
+    of these strings; grammar: an EBNF grammar (GBNF/xgrammar dialect); json_object: any JSON
+    object; structural_tag: vLLM's structural-tag JSON text. Compiled by the engine's grammar
+    backend; a constraint that does not compile is a ValueError at admission.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError(
+                "You can only use one kind of structured outputs constraint but multiple are "
+                f"specified: {kinds}"
+                if kinds
+                else "structured_outputs needs one of json, regex, choice, grammar, json_object, "
+                "structural_tag."
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must list at least one string.")
+
+    def kinds(self) -> list[str]:
+        """The names of the constraint fields that are set."""
+        return [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+            if getattr(self, name) not in (None, False)
+        ]
+
+
+@dataclass
 class SamplingParams:
     """What to sample and when to stop; field names and defaults follow vLLM.
 
@@ -39,6 +78,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # an output constraint (JSON schema, regex, choice, grammar); None: free generation
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
