@@ -82,8 +82,8 @@ if not torch.cuda.is_available():
 
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.attention import AttentionMetadata, paged_attention, token_positions  # noqa: E402
-from kvflow.model import allocate_kv_caches  # noqa: E402
 from kvflow.worker.cuda_graphs import DecodeGraphs, pack_inputs  # noqa: E402
+from kvflow.worker.kv_cache import allocate_kv_caches  # noqa: E402
 
 GIB = 1 << 30
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
@@ -341,7 +341,7 @@ def section_kernel(args, device: str, report: dict) -> None:
         return
     if os.environ.get("TRITON_INTERPRET") == "1":  # --smoke on a CPU: as the tests patch it
         sys.path.insert(0, str(SRC.parent / "tests"))
-        from triton_interpreter import patch_interpreter
+        from support.triton_interpreter import patch_interpreter
 
         patch_interpreter()
     rows = []
@@ -370,12 +370,12 @@ def section_kernel(args, device: str, report: dict) -> None:
 
 
 def check_small_ops(device: str, smoke: bool) -> list[dict]:
-    """The fused small ops (model/triton_kernels.py) against torch's ops on fresh random inputs
+    """The fused small ops (kernels/triton/ops.py) against torch's ops on fresh random inputs
     of the models' shapes: at most 1 bf16 step apart and >= 99 % equal (they round where torch
     rounds), at most 8 float32 steps (sums in another order). RMSNorm may be 2 bf16 steps off:
     its sum of squares is added in another order, which can move the normalised value by a
     step before the bf16 product with the weight rounds again."""
-    from kvflow.model import triton_kernels as fused
+    from kvflow.kernels.triton import ops as fused
 
     tokens = [1, 3] if smoke else [1, 256]
     hidden, heads, inter = (96, 6, 128) if smoke else (2048, 40, 8192)  # 1B: 32 + 8 heads of 64
@@ -1127,20 +1127,20 @@ def timing_rows(
 
 
 def without_pdl(llm: LLM, rows: list[dict], prompt_len: int) -> None:
-    """The same decode rows with programmatic dependent launch off (`triton_kernels.pdl_args`):
+    """The same decode rows with programmatic dependent launch off (`kernels.triton.pdl.pdl_args`):
     the graphs are captured again without it, timed, and captured again with it."""
-    from kvflow.model import triton_kernels
+    from kvflow.kernels.triton import pdl as pdl_module
 
     graphs = llm.engine.core.runner.decode_graphs
     if graphs is None or not graphs.use_graphs:
         return
 
-    def recapture(pdl: bool) -> None:
-        triton_kernels.PDL_ENABLED = pdl
+    def recapture(on: bool) -> None:
+        pdl_module.PDL_ENABLED = on
         graphs._graphs.clear()
         graphs.capture()
 
-    if not triton_kernels.pdl_args()["PDL"]:
+    if not pdl_module.pdl_args()["PDL"]:
         return  # no PDL on this card: nothing to compare
     recapture(False)
     try:
@@ -1157,13 +1157,14 @@ def without_pdl(llm: LLM, rows: list[dict], prompt_len: int) -> None:
 
 
 def one_row_kernel_report() -> list[dict]:
-    """Each batch-1 projection's choice (`triton_kernels.gemv_wins`): Triton's one-row kernel
+    """Each batch-1 projection's choice (`kernels.tuning.gemv_wins`): Triton's one-row kernel
     (plain, or with the norm / silu made inside) against what it replaces, as timed at warm-up,
     with the weight bytes over the kernel's time, and the tile the tuner picked."""
-    from kvflow.model import triton_kernels
+    from kvflow.kernels import tuning
+    from kvflow.kernels.triton import gemv
 
     rows = []
-    for (what, n, k, dtype, _), (ours, theirs) in triton_kernels._GEMV_TIMES.items():
+    for (what, n, k, dtype, _), (ours, theirs) in tuning._GEMV_TIMES.items():
         row = dict(what=what, n=n, k=k, dtype=str(dtype), ours_us=ours, theirs_us=theirs)
         row["ours_tb_s"] = n * k * 2 / (ours * 1e-6) / 1e12 if ours > 0 else None
         rows.append(row)
@@ -1172,7 +1173,7 @@ def one_row_kernel_report() -> list[dict]:
             f"({row['ours_tb_s'] or 0:.2f} TB/s) vs {row['theirs_us']:.1f} us "
             f"{'(Triton)' if ours < theirs else '(cuBLAS)'}"
         )
-    tuned = {str(key): str(config) for key, config in triton_kernels._gemv_tuned.cache.items()}
+    tuned = {str(key): str(config) for key, config in gemv._gemv_tuned.cache.items()}
     return rows + [dict(tuned=tuned)]
 
 
@@ -1180,10 +1181,10 @@ def attention_tile_report(device: str) -> list[dict]:
     """Device time of one decode attention call (the 1B shape's heads: 32 query, 8 KV, dim 64,
     bf16, block size 16) as the engine runs it (its key tile and split), and per key tile
     (BLOCK_N, warps) with one program per (request, KV head), at batch 1 and 8 and three
-    contexts, timed as `triton_kernels.gemv_wins` times the projections (a CUDA graph, K/V
+    contexts, timed as `kernels.tuning.gemv_wins` times the projections (a CUDA graph, K/V
     from HBM)."""
     from kvflow.attention.triton_attn import _decode_splits, _key_tile, triton_paged_attention
-    from kvflow.model.triton_kernels import _graph_us
+    from kvflow.kernels.tuning import graph_us as _graph_us
 
     rows = []
     for batch, context in itertools.product((1, 8), (150, 1024, 8192)):
@@ -1296,9 +1297,9 @@ def main(argv: list[str] | None = None) -> int:
             section_parity_and_timing(args, device, report, Path(tmp), save)
         save()
     if device == "cuda":
-        from kvflow.model import triton_kernels
+        from kvflow.kernels.triton import pdl
 
-        report["pdl"] = triton_kernels.pdl_args()["PDL"]  # on, where the card's probe passed
+        report["pdl"] = pdl.pdl_args()["PDL"]  # on, where the card's probe passed
         log(f"programmatic dependent launch: {'on' if report['pdl'] else 'off'}")
         report["one_row_kernels"] = one_row_kernel_report()
         try:  # informs the next change; fails no check

@@ -1,14 +1,10 @@
-"""Shared test set-up: make tests/ importable for small helper modules (fakes.py), and skip
-tests marked `gpu` where CUDA is not available."""
+"""Shared test set-up: the embedded model converted once, and tests marked `gpu` skipped where
+CUDA is not available. Helpers live in the `support` package (tests/ is on pytest's
+`pythonpath`)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,82 +21,26 @@ triton = pytest.importorskip("triton")
 
 from kvflow.attention import AttentionMetadata, paged_attention  # noqa: E402
 from kvflow.attention.triton_attn import triton_paged_attention  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from support.attention_cases import (  # noqa: E402
+    CASES,
+    DEVICE,
+    TOLERANCE,
+    check_case,
+    setup_case,
+)
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # its bugs, patched outside the kernel
-    from triton_interpreter import patch_interpreter
+    from support.triton_interpreter import patch_interpreter
 
     patch_interpreter()
-
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def _setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed, cache_dtype=None):
-    """Random q/k/v, metadata with shuffled block ids (never block 0, some spare blocks), and
-    the cache twice: with finite garbage outside the contexts, and with NaN there instead."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(computed, q_lens, strict=True)]
-    need = [-(-n // block_size) + (b % 2) for b, n in enumerate(seq_lens)]  # odd b: a spare
-    pool = (torch.randperm(sum(need) + 3, generator=gen) + 1).tolist()
-    blocks = []
-    for n in need:
-        blocks.append(pool[:n])
-        pool = pool[n:]
-    num_blocks = sum(need) + 4
-    cache_dtype = cache_dtype or dtype
-    shape = (2, num_blocks, block_size, hkv, dim)
-    garbage = torch.randn(shape, generator=gen).to(cache_dtype)
-    unused = torch.ones(shape, dtype=torch.bool)
-    for ids, n in zip(blocks, seq_lens, strict=True):
-        for p in range(n):
-            unused[:, ids[p // block_size], p % block_size] = False
-    num_tokens = sum(q_lens)
-    q = torch.randn(num_tokens, hq, dim, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, hkv, dim, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, hkv, dim, generator=gen).to(dtype)
-    meta = AttentionMetadata.build(q_lens, computed, blocks, block_size, DEVICE)
-    poisoned = garbage.masked_fill(unused, float("nan"))
-    to = {"device": DEVICE}
-    return q.to(**to), k.to(**to), v.to(**to), meta, garbage.to(**to), poisoned.to(**to), unused
-
-
-def _check(q, k, v, meta, garbage, poisoned, unused, window=None, tile=None):
-    scale = q.shape[-1] ** -0.5
-    ref_cache = garbage.clone()
-    ref = paged_attention(q, k, v, ref_cache, meta, scale, sliding_window=window)
-    out = triton_paged_attention(q, k, v, poisoned, meta, scale, sliding_window=window, tile=tile)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert torch.isfinite(out).all()
-    tol = TOLERANCE[q.dtype]
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-    # the step's k/v landed where the reference put them; the rest of the cache is untouched
-    expected = ref_cache.masked_fill(unused.to(ref_cache.device), float("nan"))
-    torch.testing.assert_close(poisoned, expected, atol=0, rtol=0, equal_nan=True)
-    return out
-
-
-CASES = {
-    # name: (num_computed_tokens, query_lens, Hq, Hkv, head_dim, block_size, window)
-    "mixed-gqa4-bs16": ([0, 5, 20], [7, 3, 1], 8, 2, 64, 16, None),
-    "decode-mqa-bs16-d128": ([3, 17, 0, 40], [1, 1, 1, 1], 4, 1, 128, 16, None),
-    "prefill-mha-bs32-two-tiles": ([0, 0], [70, 9], 2, 2, 128, 32, None),
-    "prefix-chunks-gqa3-bs3": ([10, 4], [6, 5], 6, 2, 64, 3, None),
-    "mixed-gqa3-bs1": ([2, 0, 5], [3, 4, 1], 3, 1, 64, 1, None),
-    "window-mixed-bs3": ([4, 0, 17], [5, 9, 1], 6, 3, 64, 3, 5),
-    "window-decode-bs16": ([10, 1, 30], [1, 1, 1], 8, 2, 128, 16, 3),
-    "window-1-prefix-bs32": ([33, 0], [4, 3], 4, 1, 64, 32, 1),
-    # 64-query tile over 32-key tiles: late rows see nothing in the first key tile
-    "window-long-chunk-d256": ([3], [60], 2, 2, 256, 16, 4),
-}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_reference(case, dtype) -> None:
     computed, q_lens, hq, hkv, dim, block_size, window = case
-    inputs = _setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=sum(q_lens) + dim)
-    _check(*inputs, window=window)
+    inputs = setup_case(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=sum(q_lens) + dim)
+    check_case(*inputs, window=window)
 
 
 @pytest.mark.parametrize("dim", [64, 128])
@@ -105,13 +49,15 @@ def test_matches_reference(case, dtype) -> None:
 def test_block_size_group_head_dim_grid(block_size, group, dim) -> None:
     """A cached-prefix chunk, a fresh prefill and a decode, crossing block boundaries."""
     seed = block_size * 100 + group * 10 + dim
-    _check(*_setup([20, 0, 33], [6, 9, 1], 2 * group, 2, dim, block_size, torch.float32, seed))
+    check_case(
+        *setup_case([20, 0, 33], [6, 9, 1], 2 * group, 2, dim, block_size, torch.float32, seed)
+    )
 
 
 @pytest.mark.parametrize("dim", [32, 80, 256])
 def test_other_head_dims(dim) -> None:
     """Any power of two 32..256 (256 takes the narrower key tile), and a padded one (80)."""
-    _check(*_setup([5, 0], [1, 3], 4, 2, dim, 16, torch.float32, seed=dim))
+    check_case(*setup_case([5, 0], [1, 3], 4, 2, dim, 16, torch.float32, seed=dim))
 
 
 @pytest.mark.parametrize("tile", [(128, 4), (256, 8)])
@@ -120,22 +66,24 @@ def test_decode_key_tiles(tile, window) -> None:
     """The longer key tiles a small decode batch takes on a card (`_key_tile`), over contexts
     shorter than, equal to and longer than one tile, with and without a window."""
     computed = [3, tile[0] - 1, tile[0] + 37]
-    _check(*_setup(computed, [1, 1, 1], 8, 2, 64, 16, torch.bfloat16, seed=tile[0]), window, tile)
+    check_case(
+        *setup_case(computed, [1, 1, 1], 8, 2, 64, 16, torch.bfloat16, seed=tile[0]), window, tile
+    )
 
 
 def test_layers_share_the_step_memo() -> None:
     """Two layers of one step: the query-tile map is built once and reused, both layers exact."""
-    q, k, v, meta, garbage, poisoned, unused = _setup(
+    q, k, v, meta, garbage, poisoned, unused = setup_case(
         [0, 6, 2], [5, 1, 4], 4, 2, 64, 4, torch.float32, seed=7
     )
-    _check(q, k, v, meta, garbage, poisoned, unused)
+    check_case(q, k, v, meta, garbage, poisoned, unused)
     memo = dict(meta.memo)
     assert any(key[0] == "triton_query_tiles" for key in memo if isinstance(key, tuple))
     torch.manual_seed(8)  # the next layer: same step (block layout), other values
     garbage2 = torch.randn_like(garbage)
     poisoned2 = garbage2.masked_fill(unused.to(DEVICE), float("nan"))
     q2, k2, v2 = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
-    _check(q2, k2, v2, meta, garbage2, poisoned2, unused)
+    check_case(q2, k2, v2, meta, garbage2, poisoned2, unused)
     for key, value in memo.items():
         assert meta.memo[key] is value
 
@@ -143,13 +91,13 @@ def test_layers_share_the_step_memo() -> None:
 def test_strided_query_view_and_bf16_cache() -> None:
     """q as a column slice of a fused projection (as llama.py passes it), cache in another
     dtype than q (the reference casts K/V to q's dtype)."""
-    q, k, v, meta, garbage, poisoned, unused = _setup(
+    q, k, v, meta, garbage, poisoned, unused = setup_case(
         [3, 0], [2, 5], 4, 2, 64, 16, torch.float32, seed=3, cache_dtype=torch.bfloat16
     )
     fused = torch.cat([q, k], dim=1)  # [T, Hq + Hkv, D]
     q_view = fused[:, : q.shape[1]]
     assert not q_view.is_contiguous()
-    out = _check(q_view, k, v, meta, garbage, poisoned, unused)
+    out = check_case(q_view, k, v, meta, garbage, poisoned, unused)
     assert out.is_contiguous()
 
 
@@ -201,10 +149,10 @@ def test_decode_path_matches_reference_and_the_varlen_path(case, dtype) -> None:
 
     computed, hq, hkv, dim, block_size, window = case
     q_lens = [1] * len(computed)
-    inputs = _setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=sum(computed) + dim)
+    inputs = setup_case(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=sum(computed) + dim)
     q, k, v, meta, garbage, poisoned, unused = inputs
     varlen_cache = poisoned.clone()
-    out = _check(*inputs, window=window)
+    out = check_case(*inputs, window=window)
     assert not _has_tile_map(meta)
     varlen_meta = dataclasses.replace(meta, max_query_len=2, memo={})
     varlen = triton_paged_attention(
@@ -245,7 +193,7 @@ def test_rotary_in_the_backend_is_rotation_then_attention(computed, q_lens, dim,
     rotates and stores inside the attention kernel; other steps rotate q in place and k as
     `write_kv` stores it)."""
     hq, hkv = 4, 2
-    q, k, v, meta, garbage, poisoned, unused = _setup(
+    q, k, v, meta, garbage, poisoned, unused = setup_case(
         computed, q_lens, hq, hkv, dim, 16, dtype, seed=sum(computed) + dim
     )
     positions = torch.tensor(
@@ -278,7 +226,7 @@ def test_split_decode_matches_reference(dtype, window, rotary) -> None:
     from kvflow.attention.triton_attn import _COUNTERS
 
     computed = [3, 63, 64, 300, 700, 1000]
-    q, k, v, meta, garbage, poisoned, unused = _setup(
+    q, k, v, meta, garbage, poisoned, unused = setup_case(
         computed, [1] * len(computed), 8, 2, 64, 16, dtype, seed=11 + (window or 0) + rotary
     )
     scale = 64**-0.5

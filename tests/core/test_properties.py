@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fakes import FakeRunner
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from kvflow.core.kv_cache_manager import cdiv
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
 from kvflow.core.request import Request
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine.engine_core import EngineCore
+from support.fakes import FakeRunner
 
 
 @dataclass

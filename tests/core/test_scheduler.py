@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fakes import FakeRunner, scripted_token
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvflow.core.request import Request, RequestStatus
 from kvflow.engine.engine_core import EngineCore
+from support.fakes import FakeRunner, scripted_token
 
 
 def make_engine(

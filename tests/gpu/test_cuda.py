@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_decode_graphs import MAX_MODEL_LEN, Batch, check_step, randomize
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvflow import LLM, SamplingParams
 from kvflow.model import load_model
 from kvflow.worker.cuda_graphs import DecodeGraphs
+from support.attention_cases import CASES, check_case, setup_case
+from support.decode_steps import MAX_MODEL_LEN, Batch, check_step, randomize
+from support.tiny_models import word_tokenizer
 
 pytestmark = pytest.mark.gpu
 
@@ -38,8 +40,6 @@ def load_file(path: Path, name: str):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from test_engine_padded import word_tokenizer
-
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=128,
@@ -108,25 +108,25 @@ def test_engine_graphs_eager_and_cpu_agree(checkpoint) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_cases_on_the_gpu_write_every_output(dtype) -> None:
-    cases = load_file(TESTS / "attention" / "test_triton_attn.py", "triton_cases")
     check = load_file(REPO / "benchmarks" / "gpu_check.py", "gpu_check")
-    for computed, q_lens, hq, hkv, dim, block_size, window in cases.CASES.values():
-        inputs = cases._setup(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=dim)
+    for computed, q_lens, hq, hkv, dim, block_size, window in CASES.values():
+        inputs = setup_case(computed, q_lens, hq, hkv, dim, block_size, dtype, seed=dim)
         with check.nan_filled_outputs():
-            cases._check(*inputs, window=window)
+            check_case(*inputs, window=window)
 
 
 @pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 8192), (576, 1536)])
 def test_one_row_linear_takes_the_faster_kernel_and_agrees(n, k) -> None:
     """`linear` of one bf16 row on CUDA: timed once per shape against cuBLAS, then the winner;
     either way the result is the float64 product rounded (within bf16's half step)."""
-    from kvflow.model import layers, triton_kernels
+    from kvflow.kernels import tuning
+    from kvflow.model import linear
 
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=gen).to("cuda", torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to("cuda", torch.bfloat16)
-    out = layers.linear(x, w, None, None)
-    assert ("linear", n, k, torch.bfloat16, False) in triton_kernels._GEMV_TIMES
+    out = linear.linear(x, w, None, None)
+    assert ("linear", n, k, torch.bfloat16, False) in tuning._GEMV_TIMES
     exact = x.double() @ w.double().T
     bound = exact.abs() * 2.0**-8 + (x.double().abs() @ w.double().abs().T) * k * 2.0**-23
     assert bool(((out.double() - exact).abs() <= bound).all())
@@ -135,14 +135,14 @@ def test_one_row_linear_takes_the_faster_kernel_and_agrees(n, k) -> None:
 def test_programmatic_dependent_launch_is_on_where_the_card_has_it() -> None:
     """sm_90 and newer: the probe (a chain of PDL launches, eager and in a graph) passes, so
     the decode kernels launch with PDL; older cards launch them plainly."""
-    from kvflow.model import triton_kernels
+    from kvflow.kernels.triton.pdl import pdl_args
 
     has_it = torch.cuda.get_device_capability() >= (9, 0)
-    assert triton_kernels.pdl_args() == dict(PDL=has_it, launch_pdl=has_it)
+    assert pdl_args() == dict(PDL=has_it, launch_pdl=has_it)
 
 
 def test_greedy_sampling_on_the_card_matches_the_cpu() -> None:
-    """The CUDA sampler's two kernels (`triton_kernels.argmax_rows`) give the CPU sampler's
+    """The CUDA sampler's two kernels (`kernels.triton.argmax.argmax_rows`) give the CPU sampler's
     tokens and bad rows: ties, a NaN, +inf, all -inf, a masked -inf."""
     from kvflow.sampling_params import SamplingParams
     from kvflow.worker.sampler import SamplingMetadata, TokenHistory, sample

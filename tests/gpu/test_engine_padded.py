@@ -17,30 +17,20 @@ import argparse
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvflow import LLM, SamplingParams
 from kvflow.server.args import add_serve_arguments, engine_args_from
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
+from support.decode_steps import randomize
+from support.tiny_models import word_tokenizer
 
 VOCAB = 256
 
 
-def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A tokenizer whose token i is the word `t{i}`: enough for token-id prompts and output."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from test_decode_graphs import randomize
-
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,

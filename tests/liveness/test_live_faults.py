@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from livelib import (
-    Live,
+
+from support.live import (
+    ServerProcess,
     geometry,
     in_background,
     serving,
@@ -36,7 +37,7 @@ CPU_LIMIT = 0.05  # of one core
 
 
 @pytest.fixture(scope="module")
-def faulty() -> Iterator[Live]:
+def faulty() -> Iterator[ServerProcess]:
     flags = geometry(BLOCK_SIZE, NUM_BLOCKS)
     flags += ["--max-num-seqs", "2", "--max-num-queued-reqs", "2"]
     flags += ["--request-timeout", str(SERVER_TIMEOUT_S), "--log-engine-steps"]
@@ -45,13 +46,13 @@ def faulty() -> Iterator[Live]:
         yield server
 
 
-def steps_logged(server: Live) -> tuple[int, int]:
+def steps_logged(server: ServerProcess) -> tuple[int, int]:
     """(all core-step lines, those with model_executed=0) in the log so far."""
     lines = re.findall(r"core-step .*model_executed=(\d)", server.log())
     return len(lines), lines.count("0")
 
 
-def cpu_share(server: Live, seconds: float) -> tuple[float, int]:
+def cpu_share(server: ServerProcess, seconds: float) -> tuple[float, int]:
     """(share of one core used over `seconds`, core-step lines logged meanwhile)."""
     steps0, cpu0, t0 = steps_logged(server)[0], server.cpu_seconds(), time.monotonic()
     time.sleep(seconds)
@@ -59,24 +60,26 @@ def cpu_share(server: Live, seconds: float) -> tuple[float, int]:
     return (cpu1 - cpu0) / (t1 - t0), steps_logged(server)[0] - steps0
 
 
-def test_idle_server_sleeps(faulty: Live) -> None:
+def test_idle_server_sleeps(faulty: ServerProcess) -> None:
     time.sleep(1.0)  # let start-up work (the first /health, metrics) settle
     share, steps = cpu_share(faulty, IDLE_WINDOW_S)
     print(f"  idle: {share:.2%} of a core over {IDLE_WINDOW_S:.0f} s, {steps} steps logged")
     assert share < CPU_LIMIT and steps == 0
 
 
-def test_stuck_head_fails_with_500_error_log_and_metric(faulty: Live) -> None:
+def test_stuck_head_fails_with_500_error_log_and_metric(faulty: ServerProcess) -> None:
     models = faulty.client().models.list().data
     assert (models[0].model_extra or {})["max_model_len"] == ADVERTISED  # the injected lie
     before = faulty.metrics().value("kvflow:stuck_requests_failed_total")
     # A request that fits runs first; the stuck ones wait behind it, then fail one by one.
     ok_thread, ok = in_background(
-        lambda: faulty.post({"prompt": "Hi", "max_tokens": 20, "ignore_eos": True, **PATIENT})
+        lambda: faulty.post(
+            "/v1/completions", {"prompt": "Hi", "max_tokens": 20, "ignore_eos": True, **PATIENT}
+        )
     )
     wait_for(lambda: faulty.gauge("vllm:num_requests_running") == 1, timeout=30)
     too_long = {"prompt": token_prompt(150), "max_tokens": 8, **PATIENT}
-    plain_thread, plain = in_background(lambda: faulty.post(too_long))
+    plain_thread, plain = in_background(lambda: faulty.post("/v1/completions", too_long))
     status, lines = sse_lines(faulty, {**too_long, "prompt": token_prompt(150, offset=1)})
     # Fits at first, outgrows the pool after 28 tokens: tokens, then the error event.
     grows = {"prompt": token_prompt(100, offset=2), "max_tokens": 80, "ignore_eos": True}
@@ -106,7 +109,7 @@ def test_stuck_head_fails_with_500_error_log_and_metric(faulty: Live) -> None:
     assert faulty.health() == 200 and faulty.idle()
 
 
-def test_server_with_failed_requests_sleeps(faulty: Live) -> None:
+def test_server_with_failed_requests_sleeps(faulty: ServerProcess) -> None:
     """After the guard: no spin. The only empty steps in the whole log are the guard's own
     (one per failed request); none while the server waits."""
     share, steps = cpu_share(faulty, IDLE_WINDOW_S)
@@ -118,7 +121,7 @@ def test_server_with_failed_requests_sleeps(faulty: Live) -> None:
     assert empty == failed
 
 
-def test_nan_logits_fail_that_request_alone(faulty: Live) -> None:
+def test_nan_logits_fail_that_request_alone(faulty: ServerProcess) -> None:
     normal = {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True, **PATIENT}
     poisoned = {"prompt": [*token_prompt(8), NAN_MARK], "max_tokens": 16, **PATIENT}
     with ThreadPoolExecutor(4) as pool:
@@ -139,7 +142,7 @@ def test_nan_logits_fail_that_request_alone(faulty: Live) -> None:
     wait_for(faulty.idle, timeout=5)
 
 
-def test_full_queue_is_503_with_retry_after_at_once_and_none_is_lost(faulty: Live) -> None:
+def test_full_queue_is_503_with_retry_after_at_once_and_none_is_lost(faulty: ServerProcess) -> None:
     long = {"prompt": "Tell me a story", "max_tokens": 40, "ignore_eos": True, **PATIENT}
     short = {**long, "max_tokens": 4}
     success = "vllm:request_success_total"
@@ -150,7 +153,7 @@ def test_full_queue_is_503_with_retry_after_at_once_and_none_is_lost(faulty: Liv
         admitted += [pool.submit(faulty.post, short) for _ in range(2)]
         wait_for(lambda: faulty.gauge("vllm:num_requests_waiting") == 2, timeout=30)
         t0 = time.monotonic()
-        refused = faulty.post(short)
+        refused = faulty.post("/v1/completions", short)
         refused_in = time.monotonic() - t0
         refused_stream, _ = sse_lines(faulty, short)
         answers = [f.result() for f in admitted]
@@ -163,10 +166,10 @@ def test_full_queue_is_503_with_retry_after_at_once_and_none_is_lost(faulty: Liv
     assert faulty.metrics().value(success) - before == 4
 
 
-def test_server_request_timeout_aborts_with_408_and_frees_blocks(faulty: Live) -> None:
+def test_server_request_timeout_aborts_with_408_and_frees_blocks(faulty: ServerProcess) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True}
     t0 = time.monotonic()
-    resp = faulty.post(body)
+    resp = faulty.post("/v1/completions", body)
     took = time.monotonic() - t0
     status, lines = sse_lines(faulty, body)
     freed = wait_for(faulty.idle, timeout=5)

@@ -12,7 +12,17 @@ from typing import NamedTuple
 
 import openai
 import pytest
-from livelib import LONG_WAIT, MODEL, PROMPT, Live, geometry, serving, spawn, token_prompt
+
+from support.live import (
+    LONG_WAIT,
+    MODEL,
+    PROMPT,
+    ServerProcess,
+    geometry,
+    serving,
+    spawn,
+    token_prompt,
+)
 
 # (block_size, num_blocks): the report's two (16 x 2, 16 x 4) and other block sizes.
 GEOMETRIES = [(16, 2), (16, 4), (1, 33), (8, 5), (32, 2)]
@@ -24,7 +34,7 @@ REPORT_ROWS = {2: [8, 11, 12, 24], 4: [56]}
 
 
 class Served(NamedTuple):
-    server: Live
+    server: ServerProcess
     block_size: int
     num_blocks: int
 
@@ -43,7 +53,7 @@ def live(request: pytest.FixtureRequest) -> Iterator[Served]:
         yield Served(server, block_size, num_blocks)
 
 
-def complete(server: Live, **body: object) -> tuple[int, dict, float]:
+def complete(server: ServerProcess, **body: object) -> tuple[int, dict, float]:
     """(status, body or error, seconds) of one completion through the official client."""
     t0 = time.monotonic()
     try:
@@ -65,7 +75,7 @@ def test_report_rows_answer_200_or_400_never_hang(live: Served) -> None:
     """The report's rows for this geometry, plus the boundary (prompt + max_tokens = context
     and one more), each greedy with and without ignore_eos."""
     mml, server = live.servable, live.server
-    prompt_len = len(server.post({"prompt": PROMPT}, "/tokenize").json()["tokens"])
+    prompt_len = len(server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"])
     room = mml - prompt_len
     report = REPORT_ROWS.get(live.num_blocks, []) if live.block_size == 16 else []
     for max_tokens in sorted({*report, room, room + 1}):

@@ -15,14 +15,15 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-from livelib import MODEL, Live, geometry, serving
+
+from support.live import MODEL, ServerProcess, geometry, serving
 
 EXAMPLES = int(os.environ.get("KVFLOW_SCHEMA_EXAMPLES", "100"))
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
+def live() -> Iterator[ServerProcess]:
     flags = [*geometry(16, 64), "--max-model-len", "32", "--request-timeout", "1"]
     with serving(flags) as server:
         yield server
@@ -62,7 +63,7 @@ def fuzz(operation: schemathesis.APIOperation, mode: schemathesis.GenerationMode
     return counts
 
 
-def test_generated_requests_never_get_a_5xx(live: Live) -> None:
+def test_generated_requests_never_get_a_5xx(live: ServerProcess) -> None:
     schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
     schema.config.update(base_url=live.url)
     total = 0

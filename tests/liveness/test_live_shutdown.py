@@ -20,11 +20,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from livelib import (
+
+from support.live import (
     LONG_WAIT,
     MODEL,
     PROMPT,
-    Live,
+    ServerProcess,
     geometry,
     in_background,
     serving,
@@ -40,10 +41,10 @@ FLAGS = geometry(16, 64)
 LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
 HI = [{"role": "user", "content": "Hi"}]
 CHAT = {"model": MODEL, "messages": HI, "max_tokens": 500, "ignore_eos": True}
-Client = Callable[[Live, threading.Event], str]
+Client = Callable[[ServerProcess, threading.Event], str]
 
 
-def openai_stream(server: Live, started: threading.Event) -> str:
+def openai_stream(server: ServerProcess, started: threading.Event) -> str:
     chunks = server.client().completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=500, stream=True, extra_body={"ignore_eos": True}
     )
@@ -59,7 +60,7 @@ def openai_stream(server: Live, started: threading.Event) -> str:
     return "SILENT: the stream closed without a terminal answer"
 
 
-def openai_plain(server: Live, started: threading.Event) -> str:
+def openai_plain(server: ServerProcess, started: threading.Event) -> str:
     started.set()
     try:
         out = server.client().completions.create(
@@ -71,7 +72,7 @@ def openai_plain(server: Live, started: threading.Event) -> str:
 
 
 def raw_stream(path: str, body: dict) -> Client:
-    def client(server: Live, started: threading.Event) -> str:
+    def client(server: ServerProcess, started: threading.Event) -> str:
         lines = []
         url, streamed = f"{server.url}{path}", {**body, "stream": True}
         with httpx.stream("POST", url, json=streamed, timeout=LONG_WAIT) as resp:
@@ -88,7 +89,7 @@ def raw_stream(path: str, body: dict) -> Client:
 
 
 def raw_plain(path: str, body: dict) -> Client:
-    def client(server: Live, started: threading.Event) -> str:
+    def client(server: ServerProcess, started: threading.Event) -> str:
         started.set()
         resp = httpx.post(f"{server.url}{path}", json=body, timeout=60)
         return f"{resp.status_code}: {resp.json()}"  # a body, whatever the status
@@ -115,7 +116,7 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def run_trial(server: Live) -> tuple[int, float, dict[str, str]]:
+def run_trial(server: ServerProcess) -> tuple[int, float, dict[str, str]]:
     """Traffic, then SIGTERM; returns (exit status, seconds to exit, answer per client)."""
     started = {name: threading.Event() for name in CLIENTS}
     running = {
@@ -160,7 +161,7 @@ def test_sigterm_during_traffic_answers_every_client_and_exits_0_in_every_trial(
     print(f"  last answers: {answers}")
 
 
-def start_spawned(server: Live) -> Live:
+def start_spawned(server: ServerProcess) -> ServerProcess:
     deadline = time.monotonic() + 240
     while server.health() != 200:
         assert server.proc.poll() is None, server.log()[-3000:]
@@ -173,7 +174,7 @@ def test_drain_refuses_new_at_once_finishes_in_flight_then_exits_0() -> None:
     server = start([*FLAGS, "--shutdown-timeout", "30"])
     body = {**LONG, "max_tokens": 24}
     try:
-        plain_thread, plain = in_background(lambda: server.post(body))
+        plain_thread, plain = in_background(lambda: server.post("/v1/completions", body))
         stream_thread, stream = in_background(
             lambda: raw_stream("/v1/completions", body)(server, threading.Event())
         )
@@ -182,7 +183,7 @@ def test_drain_refuses_new_at_once_finishes_in_flight_then_exits_0() -> None:
         sent = server.signal(signal.SIGTERM)
         wait_for(lambda: server.health() == 503, timeout=5)
         t0 = time.monotonic()
-        refused = server.post(body, timeout=10)
+        refused = server.post("/v1/completions", body, timeout=10)
         refused_in = time.monotonic() - t0
         plain_thread.join(60)
         stream_thread.join(60)
@@ -206,7 +207,7 @@ def test_drain_refuses_new_at_once_finishes_in_flight_then_exits_0() -> None:
 
 def test_second_signal_exits_at_once() -> None:
     with serving([*FLAGS, "--shutdown-timeout", "30"]) as server:
-        thread, _ = in_background(lambda: server.post(LONG))
+        thread, _ = in_background(lambda: server.post("/v1/completions", LONG))
         wait_for(lambda: server.gauge("vllm:num_requests_running") == 1, timeout=30)
         server.signal(signal.SIGTERM)
         wait_for(lambda: server.health() == 503, timeout=5)

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from livelib import PROMPT, Live, geometry, serving, spawn
+
+from support.live import PROMPT, ServerProcess, geometry, serving, spawn
 
 BOUND_S = 10.0
 FLAGS = geometry(16, 64)
@@ -21,7 +22,7 @@ FLAGS = geometry(16, 64)
 BY_SIGTERM = (128 + signal.SIGTERM, -signal.SIGTERM)
 
 
-def interrupt(server: Live) -> tuple[int, float]:
+def interrupt(server: ServerProcess) -> tuple[int, float]:
     sent = server.signal(signal.SIGTERM)
     try:
         code = server.wait_exit(timeout=BOUND_S + 20)
@@ -47,7 +48,7 @@ def test_sigterm_during_model_load_exits_within_10s() -> None:
 
 HANDLER_PROBE = """
 import os, pathlib, signal, sys
-from kvflow.model.loader import scratch
+from kvflow.paths import scratch
 from kvflow.server.api_server import _install_start_up_signals
 _install_start_up_signals()
 part = pathlib.Path(sys.argv[1])
@@ -98,7 +99,7 @@ def test_sigterm_during_conversion_leaves_no_half_written_dir(tmp_path: Path) ->
     (tmp_path / name).symlink_to(shared_cache() / name, target_is_directory=True)
     t0 = time.monotonic()
     with serving(FLAGS, env) as again:
-        out = again.post({"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        out = again.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
     print(f"  the next start served in {time.monotonic() - t0:.1f} s")
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4
 

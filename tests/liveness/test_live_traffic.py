@@ -12,11 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from livelib import (
+
+from support.live import (
     LONG_WAIT,
     MODEL,
     PROMPT,
-    Live,
+    ServerProcess,
     geometry,
     serving,
     sse_events,
@@ -29,18 +30,18 @@ MAX_MODEL_LEN = 1008  # 64 blocks x 16, less the null block
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
+def live() -> Iterator[ServerProcess]:
     with serving([*geometry(16, 64), "--max-num-seqs", "8"]) as server:
         yield server
 
 
-def engine_metrics(server: Live) -> dict[tuple[str, frozenset], float]:
+def engine_metrics(server: ServerProcess) -> dict[tuple[str, frozenset], float]:
     return {
         k: v for k, v in server.metrics().samples.items() if k[0].startswith(("vllm:", "kvflow:"))
     }
 
 
-def test_refused_requests_are_400_before_anything_is_queued(live: Live) -> None:
+def test_refused_requests_are_400_before_anything_is_queued(live: ServerProcess) -> None:
     long_text = "hello " * (MAX_MODEL_LEN + 50)
     chat = [{"role": "user", "content": "Hi"}]
     refused = [
@@ -54,7 +55,7 @@ def test_refused_requests_are_400_before_anything_is_queued(live: Live) -> None:
     ]
     before = engine_metrics(live)
     for path, body in refused:
-        resp = live.post({"model": MODEL, **body}, path)
+        resp = live.post(path, {"model": MODEL, **body})
         assert resp.status_code == 400, (path, body.keys(), resp.text)
         message = resp.json()["error"]["message"]
         assert str(MAX_MODEL_LEN) in message, message
@@ -62,24 +63,26 @@ def test_refused_requests_are_400_before_anything_is_queued(live: Live) -> None:
     print(f"  {len(refused)} refused requests: 400 each, no metric moved")
 
 
-def test_long_valid_prompt_is_not_truncated(live: Live) -> None:
+def test_long_valid_prompt_is_not_truncated(live: ServerProcess) -> None:
     text = "The quick brown fox jumps over the lazy dog. " * 90
-    count = live.post({"prompt": text}, "/tokenize").json()["count"]
+    count = live.post("/tokenize", {"prompt": text}).json()["count"]
     assert MAX_MODEL_LEN // 2 < count < MAX_MODEL_LEN - 1
     for extra in ({"max_tokens": 1}, {}):
-        resp = live.post({"prompt": text, **extra})
+        resp = live.post("/v1/completions", {"prompt": text, **extra})
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["prompt_tokens"] == count
     ids = token_prompt(MAX_MODEL_LEN - 1)
-    usage = live.post({"prompt": ids}).json()["usage"]  # max_tokens unset: the 1 token of room
+    usage = live.post("/v1/completions", {"prompt": ids}).json()[
+        "usage"
+    ]  # max_tokens unset: the 1 token of room
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), 1)
     print(f"  {count}-token text prompt and {len(ids)}-token id prompt counted in full")
 
 
-def test_per_request_timeout_answers_408_and_frees_blocks(live: Live) -> None:
+def test_per_request_timeout_answers_408_and_frees_blocks(live: ServerProcess) -> None:
     body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "request_timeout": 1.0}
     t0 = time.monotonic()
-    resp = live.post(body)
+    resp = live.post("/v1/completions", body)
     took = time.monotonic() - t0
     freed = wait_for(live.idle, timeout=2.0)
     status, lines = sse_lines(live, body)
@@ -90,7 +93,7 @@ def test_per_request_timeout_answers_408_and_frees_blocks(live: Live) -> None:
     print(f"  request_timeout 1: 408 after {took:.2f} s; blocks freed within {freed:.2f} s")
 
 
-def stream_then_leave(server: Live, body: dict, chunks: int) -> str:
+def stream_then_leave(server: ServerProcess, body: dict, chunks: int) -> str:
     url, body = f"{server.url}/v1/completions", {**body, "stream": True}
     with httpx.stream("POST", url, json=body, timeout=LONG_WAIT) as r:  # not httpx's 5 s
         for i, _ in enumerate(line for line in r.iter_lines() if line):
@@ -99,7 +102,7 @@ def stream_then_leave(server: Live, body: dict, chunks: int) -> str:
     return "ended before leaving"
 
 
-def give_up(server: Live, body: dict) -> str:
+def give_up(server: ServerProcess, body: dict) -> str:
     try:
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
     except httpx.ReadTimeout:
@@ -107,7 +110,7 @@ def give_up(server: Live, body: dict) -> str:
     return "answered first"
 
 
-def mixed_load(live: Live) -> list[object]:
+def mixed_load(live: ServerProcess) -> list[object]:
     shared = "You are a helpful assistant. Answer briefly and precisely. " * 4
     short = {"max_tokens": 12, "ignore_eos": True}
     long = {"max_tokens": 600, "ignore_eos": True}
@@ -115,21 +118,25 @@ def mixed_load(live: Live) -> list[object]:
     jobs = [
         lambda: sse_lines(live, {"prompt": shared + "One", **short}),
         lambda: sse_lines(live, {"prompt": shared + "Two", **short}),
-        lambda: live.post({"prompt": shared + "Three", **short}),
-        lambda: live.post({"prompt": shared + "Four", "n": 2, **short}),
-        lambda: live.post({"prompt": PROMPT, **short, "temperature": 0.8, "seed": 1}),
+        lambda: live.post("/v1/completions", {"prompt": shared + "Three", **short}),
+        lambda: live.post("/v1/completions", {"prompt": shared + "Four", "n": 2, **short}),
+        lambda: live.post(
+            "/v1/completions", {"prompt": PROMPT, **short, "temperature": 0.8, "seed": 1}
+        ),
         lambda: sse_lines(live, chat, "/v1/chat/completions"),
         lambda: stream_then_leave(live, {"prompt": shared + "Five", **long}, 3),
         lambda: stream_then_leave(live, {"prompt": shared + "Six", **long}, 5),
         lambda: give_up(live, {"prompt": shared + "Seven", **long}),
-        lambda: live.post({"prompt": shared + "Eight", **long, "request_timeout": 0.7}),
+        lambda: live.post(
+            "/v1/completions", {"prompt": shared + "Eight", **long, "request_timeout": 0.7}
+        ),
         lambda: sse_lines(live, {"prompt": "Nine", **long, "request_timeout": 0.7}),
     ]
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(lambda job: job(), jobs))
 
 
-def test_mixed_load_with_disconnects_and_timeouts_ends_idle(live: Live) -> None:
+def test_mixed_load_with_disconnects_and_timeouts_ends_idle(live: ServerProcess) -> None:
     before = live.metrics()
     results = mixed_load(live)
     took = wait_for(live.idle, timeout=5.0)

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from livelib import (
-    Live,
+
+from support.live import (
+    ServerProcess,
     geometry,
     in_background,
     serving,
@@ -29,7 +30,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def faulty() -> Iterator[Live]:
+def faulty() -> Iterator[ServerProcess]:
     flags = [*geometry(16, 64), "--watchdog-timeout", str(WATCHDOG_S)]
     env = {"KVFLOW_FAULT": f"sleep:{SLEEP_MARK}:{SLEEP_S},raise:{RAISE_MARK}"}
     with serving(flags, env) as server:
@@ -39,7 +40,7 @@ def faulty() -> Iterator[Live]:
 class HealthPoller:
     """Polls /health on a thread, recording (time, status or None) until stopped."""
 
-    def __init__(self, server: Live) -> None:
+    def __init__(self, server: ServerProcess) -> None:
         self.server = server
         self.seen: list[tuple[float, int | None]] = []
         self._stop = threading.Event()
@@ -62,13 +63,15 @@ class HealthPoller:
         return self.seen
 
 
-def test_hung_step_warns_and_turns_health_503_until_it_ends(faulty: Live) -> None:
+def test_hung_step_warns_and_turns_health_503_until_it_ends(faulty: ServerProcess) -> None:
     hung = {"prompt": [*token_prompt(6), SLEEP_MARK], "max_tokens": 4}
-    other_thread, other = in_background(lambda: faulty.post({**LONG, "max_tokens": 16}))
+    other_thread, other = in_background(
+        lambda: faulty.post("/v1/completions", {**LONG, "max_tokens": 16})
+    )
     wait_for(lambda: faulty.gauge("vllm:num_requests_running") == 1, timeout=30)
     poller = HealthPoller(faulty)
     t0 = time.monotonic()
-    resp = faulty.post(hung)
+    resp = faulty.post("/v1/completions", hung)
     took = time.monotonic() - t0
     wait_for(lambda: faulty.health() == 200, timeout=10)
     seen = poller.stop()
@@ -86,14 +89,16 @@ def test_hung_step_warns_and_turns_health_503_until_it_ends(faulty: Live) -> Non
     assert seen[-1][1] == 200 and faulty.health() == 200
 
 
-def test_step_exception_fails_every_request_and_exits_1(faulty: Live) -> None:
-    plain_thread, plain = in_background(lambda: faulty.post(LONG))
+def test_step_exception_fails_every_request_and_exits_1(faulty: ServerProcess) -> None:
+    plain_thread, plain = in_background(lambda: faulty.post("/v1/completions", LONG))
     stream_thread, stream = in_background(lambda: sse_lines(faulty, LONG))
     wait_for(lambda: faulty.gauge("vllm:num_requests_running") == 2, timeout=30)
     # Two pollers: the 503 lasts only until the server closes its listener (~0.1 s).
     pollers = [HealthPoller(faulty), HealthPoller(faulty)]
     t0 = time.monotonic()
-    trigger = faulty.post({"prompt": [*token_prompt(6), RAISE_MARK], "max_tokens": 4})
+    trigger = faulty.post(
+        "/v1/completions", {"prompt": [*token_prompt(6), RAISE_MARK], "max_tokens": 4}
+    )
     answered = time.monotonic()
     code = faulty.wait_exit(timeout=15)
     exited = time.monotonic() - t0

@@ -8,7 +8,7 @@ import torch
 
 from kvflow.attention import AttentionMetadata, paged_attention, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
-from kvflow.model import cpu_kernels
+from kvflow.kernels.cpu import build
 
 
 def _layout(rng: np.random.Generator, seq_lens: list[int], block_size: int) -> list[list[int]]:
@@ -114,7 +114,7 @@ def test_cpu_backend_matches_naive(case, dtype, tol) -> None:
     """bf16 cases run the native kernel (but a head dim it does not take), float32 ones the
     new-prompt path or the reference; all within rounding of the float64 answer (bf16 inputs
     are bf16 already, so only the output rounds)."""
-    assert cpu_kernels.native_available(), "the native kernels should build on this machine"
+    assert build.native_available(), "the native kernels should build on this machine"
     _check_backend(case, cpu_paged_attention, dtype, tol)
 
 

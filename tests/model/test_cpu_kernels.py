@@ -13,18 +13,21 @@ import torch.nn.functional as F
 
 from kvflow.attention import AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
-from kvflow.model import allocate_kv_caches, cpu_kernels, layers, load_model, resolve_model
+from kvflow.kernels.cpu import build, ops
+from kvflow.kernels.cpu.linear import bf16_linear, pack_linear_weight
+from kvflow.model import layers, load_model, resolve_model
+from kvflow.worker.kv_cache import allocate_kv_caches
 
 
 def test_native_kernels_build_here() -> None:
     # CI machines have a C compiler; without one kvflow still runs (see the fallback tests).
-    assert cpu_kernels.native_available()
+    assert build.native_available()
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    packed = cpu_kernels.pack_linear_weight(w)
+    packed = pack_linear_weight(w)
     assert packed is not None
-    return cpu_kernels.bf16_linear(x, packed, b, w.shape[0])
+    return bf16_linear(x, packed, b, w.shape[0])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
@@ -56,9 +59,9 @@ def test_bf16_linear_reads_strided_input_and_propagates_nan() -> None:
 
 
 def test_pack_applies_to_bf16_cpu_weights_with_even_inputs_only() -> None:
-    assert cpu_kernels.pack_linear_weight(torch.randn(8, 6)) is None  # float32
-    assert cpu_kernels.pack_linear_weight(torch.randn(8, 5).bfloat16()) is None  # odd K
-    packed = cpu_kernels.pack_linear_weight(torch.randn(40, 6).bfloat16())
+    assert pack_linear_weight(torch.randn(8, 6)) is None  # float32
+    assert pack_linear_weight(torch.randn(8, 5).bfloat16()) is None  # odd K
+    packed = pack_linear_weight(torch.randn(40, 6).bfloat16())
     assert packed is not None and packed.shape == (2, 3, 32, 2)  # 40 columns -> 2 tiles of 32
 
 
@@ -79,13 +82,13 @@ def test_rms_norm_matches_transformers_rounding(tokens) -> None:
         normed = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
         return weight * normed.to(torch.bfloat16)
 
-    assert _ulps_apart(cpu_kernels.rms_norm(x, weight, eps), reference(x)) <= 1
+    assert _ulps_apart(ops.rms_norm(x, weight, eps), reference(x)) <= 1
     stream = residual.clone()
-    out = cpu_kernels.rms_norm(x, weight, eps, stream)
+    out = ops.rms_norm(x, weight, eps, stream)
     assert torch.equal(stream, x + residual)  # the residual stream, updated in place
     assert _ulps_apart(out, reference(x + residual)) <= 1
     heads = x.view(tokens, 3, 32)  # per-head norms (Qwen3's q/k norm) over the last dim
-    norm32 = cpu_kernels.rms_norm(heads, weight[:32], eps)
+    norm32 = ops.rms_norm(heads, weight[:32], eps)
     assert norm32.shape == heads.shape
 
 
@@ -106,7 +109,7 @@ def test_rotary_in_place_on_strided_rows_matches_torch(gathered) -> None:
     rotated = torch.cat((-qk[..., 32:], qk[..., :32]), dim=-1)
     expected = qk * cos + rotated * sin
     v_before = qkv[:, 4 * 64 :].clone()
-    assert cpu_kernels.rotary_(qk, cos, sin).data_ptr() == qkv.data_ptr()
+    assert ops.rotary_(qk, cos, sin).data_ptr() == qkv.data_ptr()
     assert torch.equal(qk, expected)
     assert torch.equal(qkv[:, 4 * 64 :], v_before)
 
@@ -118,13 +121,13 @@ def test_silu_mul_matches_torch(width) -> None:
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     gate, up = gate_up.split(width, dim=-1)
     expected = F.silu(gate) * up
-    got = cpu_kernels.silu_mul(gate_up)
+    got = ops.silu_mul(gate_up)
     assert got.shape == (6, width)
     assert _ulps_apart(got, expected) <= 1
 
 
 def _native_in_subprocess(env: dict[str, str]) -> str:
-    code = "from kvflow.model import cpu_kernels; print(cpu_kernels.native_available())"
+    code = "from kvflow.kernels.cpu import build; print(build.native_available())"
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **env},
@@ -195,7 +198,7 @@ def test_embedded_model_bf16_native_is_as_close_to_float32_as_torch(monkeypatch)
     model, cfg = load_model(path, torch.bfloat16, attn_backend=cpu_paged_attention)
     layers.prepack_for_cpu(model)
     native = _step_logits(model, cfg, prompt, forced)
-    monkeypatch.setattr(cpu_kernels, "native_available", lambda: False)
+    monkeypatch.setattr(build, "native_available", lambda: False)
     plain = _step_logits(model, cfg, prompt, forced)
     assert not torch.equal(native, plain)  # the two paths really differ
     err_native = (native - exact).abs().max().item()

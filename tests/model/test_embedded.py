@@ -14,13 +14,14 @@ import torch
 
 from kvflow.attention import AttentionMetadata, token_positions
 from kvflow.model import (
-    allocate_kv_caches,
+    gguf_convert,
     load_model,
     load_tokenizer,
     loader,
     resolve_dtype,
     resolve_model,
 )
+from kvflow.worker.kv_cache import allocate_kv_caches
 
 PROMPT = "The capital of France is"
 
@@ -48,9 +49,9 @@ def test_second_resolve_is_a_cache_hit(smollm2, monkeypatch) -> None:
     def no_reconversion(*args: object) -> None:
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(loader, "_convert_into", no_reconversion)
+    monkeypatch.setattr(gguf_convert, "_convert_into", no_reconversion)
     assert resolve_model(None) == smollm2
-    assert loader.convert_gguf(loader.default_gguf_path()) == smollm2
+    assert gguf_convert.convert_gguf(loader.default_gguf_path()) == smollm2
 
 
 def test_converted_directory(smollm2) -> None:

@@ -14,9 +14,8 @@ import torch
 from transformers import LlamaConfig, OPTConfig, Qwen3Config
 
 from kvflow.model import (
-    allocate_kv_caches,
     get_model_class,
-    kv_cache_shape,
+    gguf_convert,
     loader,
     model_context_len,
     resolve_dtype,
@@ -24,6 +23,7 @@ from kvflow.model import (
     resolve_model_class,
     supported_architectures,
 )
+from kvflow.worker.kv_cache import allocate_kv_caches, kv_cache_shape
 
 
 def test_unknown_architecture_lists_supported() -> None:
@@ -109,9 +109,9 @@ def test_missing_default_package_explains_install(monkeypatch) -> None:
 
 def test_gguf_header_of_embedded_file() -> None:
     path = loader.default_gguf_path()
-    assert loader._gguf_header_value(path, "general.file_type") == 3  # Q4_1
-    assert loader._gguf_header_value(path, "llama.context_length") == 8192
-    assert loader._gguf_source_dtype(path) == "bfloat16"
+    assert gguf_convert._gguf_header_value(path, "general.file_type") == 3  # Q4_1
+    assert gguf_convert._gguf_header_value(path, "llama.context_length") == 8192
+    assert gguf_convert._gguf_source_dtype(path) == "bfloat16"
 
 
 def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatch) -> None:
@@ -125,7 +125,7 @@ def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatc
         time.sleep(0.3)  # the others must wait for the lock, not see a partial directory
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(loader, "_convert_into", slow_convert)
+    monkeypatch.setattr(gguf_convert, "_convert_into", slow_convert)
     cache = tmp_path / "cache"
     results: list[Path] = []
     threads = [
@@ -156,11 +156,11 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch) -> None:
         (out / "config.json").write_text("{}")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(loader, "_convert_into", failing)
+    monkeypatch.setattr(gguf_convert, "_convert_into", failing)
     with pytest.raises(RuntimeError, match="boom"):
         resolve_model(str(gguf), str(tmp_path / "cache"))
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [
-        loader.gguf_cache_dir(gguf, str(tmp_path / "cache")).name + ".lock"
+        gguf_convert.gguf_cache_dir(gguf, str(tmp_path / "cache")).name + ".lock"
     ]
 
 
@@ -168,12 +168,12 @@ def test_stale_temp_dirs_of_killed_converters_are_removed(tmp_path, monkeypatch)
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     cache = tmp_path / "cache"
-    target = loader.gguf_cache_dir(gguf, str(cache))
+    target = gguf_convert.gguf_cache_dir(gguf, str(cache))
     stale = cache / f".{target.name}.tmp-killed"
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"partial")
     monkeypatch.setattr(
-        loader, "_convert_into", lambda src, out: (out / "config.json").write_text("{}")
+        gguf_convert, "_convert_into", lambda src, out: (out / "config.json").write_text("{}")
     )
     assert resolve_model(str(gguf), str(cache)) == target
     assert not stale.exists()
@@ -184,7 +184,7 @@ def test_conversions_no_lookup_can_reach_are_removed(tmp_path, monkeypatch) -> N
     the next conversion removes those directories (and their locks). A conversion whose GGUF
     is still there, or one written before the source record existed, stays."""
     monkeypatch.setattr(
-        loader, "_convert_into", lambda src, out: (out / "config.json").write_text("{}")
+        gguf_convert, "_convert_into", lambda src, out: (out / "config.json").write_text("{}")
     )
     cache = tmp_path / "cache"
     ggufs = {}

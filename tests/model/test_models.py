@@ -12,65 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
-    OPTConfig,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoModelForCausalLM
 
 from kvflow.attention import AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
-from kvflow.model import allocate_kv_caches, cpu_kernels, layers, load_model
+from kvflow.kernels.cpu.build import native_available
+from kvflow.model import linear, load_model
+from kvflow.worker.kv_cache import allocate_kv_caches
+from support.tiny_models import VOCAB, tiny_configs
 
 ATOL = RTOL = 1e-4
-VOCAB = 256
 BLOCK_SIZE = 4
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
-LLAMA_LIKE = dict(COMMON, intermediate_size=96, num_key_value_heads=2, max_position_embeddings=128)
-
-
-def _configs() -> dict[str, PretrainedConfig]:
-    llama3_rope = dict(
-        rope_type="llama3",
-        rope_theta=10000.0,
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=16,
-    )
-    return {
-        "llama3": LlamaConfig(
-            **LLAMA_LIKE, rope_parameters=llama3_rope, attention_bias=True, mlp_bias=True
-        ),
-        "llama-tied": LlamaConfig(
-            **{**LLAMA_LIKE, "num_key_value_heads": 1}, tie_word_embeddings=True
-        ),
-        "mistral-window": MistralConfig(**LLAMA_LIKE, sliding_window=6),
-        "qwen2-tied": Qwen2Config(**LLAMA_LIKE, tie_word_embeddings=True),
-        # explicit head_dim (32 != 64 / 4) and a sliding-window second layer
-        "qwen3": Qwen3Config(
-            **LLAMA_LIKE,
-            head_dim=32,
-            use_sliding_window=True,
-            sliding_window=5,
-            max_window_layers=1,
-        ),
-        "opt": OPTConfig(**COMMON, ffn_dim=96, max_position_embeddings=64),
-        # opt-350m shape: post-norm, embeddings projected in and out
-        "opt-postnorm-proj": OPTConfig(
-            **COMMON,
-            ffn_dim=96,
-            max_position_embeddings=64,
-            do_layer_norm_before=False,
-            word_embed_proj_dim=32,
-        ),
-    }
-
-
 ARCHS = [
     "llama3",
     "llama-tied",
@@ -99,7 +51,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 @pytest.fixture(scope="module", params=ARCHS)
 def checkpoint(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
     arch = request.param
-    config = _configs()[arch]
+    config = tiny_configs()[arch]
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(hf, seed=ARCHS.index(arch))
     hf.eval()
@@ -196,16 +148,16 @@ def test_bf16_prepack_releases_linear_weights_and_changes_no_logit(checkpoint, m
     """On the CPU in bf16, a Linear holding both packings lets its weight go: the model answers
     bit for bit as one that keeps every weight, through prefill chunks, mixed steps and decodes
     (an untied head's logits included)."""
-    if not cpu_kernels.native_available():
+    if not native_available():
         pytest.skip("no native kernels: nothing is packed twice")
     _, path, _ = checkpoint
     kept, hf_config = load_model(path, torch.bfloat16, attn_backend=cpu_paged_attention)
     with monkeypatch.context() as patch:
-        patch.setattr(layers, "_release_weight", lambda module: None)
-        layers.prepack_for_cpu(kept)
+        patch.setattr(linear, "_release_weight", lambda module: None)
+        linear.prepack_for_cpu(kept)
     model, _ = load_model(path, torch.bfloat16, attn_backend=cpu_paged_attention)
-    layers.prepack_for_cpu(model)
-    linears = [m for m in model.modules() if isinstance(m, layers.Linear)]
+    linear.prepack_for_cpu(model)
+    linears = [m for m in model.modules() if isinstance(m, linear.Linear)]
     assert linears and all(m.weight.untyped_storage().nbytes() <= 2 for m in linears)
     assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in kept.parameters())
     head = getattr(model, "lm_head", None)

@@ -15,13 +15,15 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kvflow.model import layers, triton_kernels  # noqa: E402
+from kvflow.kernels import tuning  # noqa: E402
+from kvflow.kernels.triton import argmax, gemv, ops  # noqa: E402
+from kvflow.model import layers, linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float32]
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpreter import patch_interpreter  # float32 -> bf16 rounds as on a GPU
+    from support.triton_interpreter import patch_interpreter  # float32 -> bf16 rounds as on a GPU
 
     patch_interpreter()
 
@@ -52,13 +54,13 @@ def test_rms_norm_matches_transformers_rounding(dtype, tokens, dim) -> None:
         normed = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
         return weight * normed.to(dtype)
 
-    assert ulps_apart(triton_kernels.rms_norm(x, weight, eps), reference(x)) <= ulps(dtype)
+    assert ulps_apart(ops.rms_norm(x, weight, eps), reference(x)) <= ulps(dtype)
     stream = residual.clone()
-    out = triton_kernels.rms_norm(x, weight, eps, stream)
+    out = ops.rms_norm(x, weight, eps, stream)
     assert torch.equal(stream, x + residual)  # the residual stream, updated in place
     assert ulps_apart(out, reference(x + residual)) <= ulps(dtype)
     heads = x[:, : dim // 8 * 8].reshape(tokens, 8, -1)  # per-head norms (Qwen3's q/k norm)
-    per_head = triton_kernels.rms_norm(heads, weight[: heads.shape[-1]], eps)
+    per_head = ops.rms_norm(heads, weight[: heads.shape[-1]], eps)
     assert per_head.shape == heads.shape
     expected = F.rms_norm(heads, (heads.shape[-1],), weight[: heads.shape[-1]], eps)
     assert ulps_apart(per_head, expected) <= ulps(dtype)
@@ -84,7 +86,7 @@ def test_rotary_in_place_on_strided_rows_matches_torch(dtype, heads, gathered) -
     rotated = torch.cat((-qk[..., dim // 2 :], qk[..., : dim // 2]), dim=-1)
     expected = qk * cos + rotated * sin
     v_before = qkv[:, heads * dim :].clone()
-    assert triton_kernels.rotary_(qk, cos, sin).data_ptr() == qkv.data_ptr()
+    assert ops.rotary_(qk, cos, sin).data_ptr() == qkv.data_ptr()
     assert torch.equal(qk, expected)
     assert torch.equal(qkv[:, heads * dim :], v_before)
 
@@ -98,7 +100,7 @@ def test_silu_mul_matches_torch(dtype, width) -> None:
     gate_up = (torch.randn(6, 2 * width, generator=gen) * 4).to(DEVICE, dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     gate, up = gate_up.split(width, dim=-1)
-    got = triton_kernels.silu_mul(gate_up)
+    got = ops.silu_mul(gate_up)
     assert got.shape == (6, width)
     expected = F.silu(gate) * up
     assert ulps_apart(got, expected) <= ulps(dtype)
@@ -110,12 +112,12 @@ def test_silu_mul_matches_torch(dtype, width) -> None:
 def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
     """A tiny random Llama's logits with `fused_ops` giving the Triton kernels, against the same
     model on torch's ops: the kernels are wired where the model calls them."""
-    from test_models import LLAMA_LIKE, VOCAB
     from transformers import LlamaConfig
 
     from kvflow.attention import AttentionMetadata, token_positions
-    from kvflow.model import allocate_kv_caches
     from kvflow.model.llama import LlamaForCausalLM
+    from kvflow.worker.kv_cache import allocate_kv_caches
+    from support.tiny_models import LLAMA_LIKE, VOCAB
 
     config = LlamaConfig(**LLAMA_LIKE)  # the tiny shape tests/model/test_models.py checks
     torch.manual_seed(0)
@@ -125,14 +127,15 @@ def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
         p.data.normal_(0, 0.3)
     ids = torch.randint(0, VOCAB, (9,), device=DEVICE)
 
-    def logits(ops) -> torch.Tensor:
+    def logits(kernels) -> torch.Tensor:
         calls = []
 
         def counted(*tensors):
             calls.append(1)
-            return ops
+            return kernels
 
         monkeypatch.setattr(layers, "fused_ops", counted)
+        monkeypatch.setattr(linear, "fused_ops", counted)
         caches = allocate_kv_caches(config, 4, 16, dtype, DEVICE)
         meta = AttentionMetadata.build([9], [0], [[1]], 16, DEVICE)
         positions = torch.from_numpy(token_positions([9], [0])).to(DEVICE)
@@ -141,7 +144,7 @@ def test_a_llama_through_the_fused_kernels(monkeypatch, dtype) -> None:
         assert len(calls) == 2 * 4 + 1  # per layer: two norms, rotary, silu_mul; final norm
         return out
 
-    fused, plain = logits(triton_kernels), logits(None)
+    fused, plain = logits(ops), logits(None)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused, plain, atol=tol * plain.abs().max().item(), rtol=0)
 
@@ -151,14 +154,13 @@ def test_models_with_the_triton_backend_give_the_reference_logits(arch) -> None:
     """Llama (llama3 rope), Qwen3 (q/k norm, a windowed layer), Mistral (window) through the
     Triton backend, which rotates q and k itself (`fuses_rotary`): the torch reference
     backend's logits for a prefill, then decodes, then a mixed step."""
-    from test_models import _configs
-
     from kvflow.attention import AttentionMetadata, paged_attention, token_positions
     from kvflow.attention.triton_attn import triton_paged_attention
-    from kvflow.model import allocate_kv_caches
     from kvflow.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
+    from kvflow.worker.kv_cache import allocate_kv_caches
+    from support.tiny_models import tiny_configs
 
-    config = _configs()[arch]
+    config = tiny_configs()[arch]
     cls = {"llama3": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}.get(arch, MistralForCausalLM)
     torch.manual_seed(0)
     models = []
@@ -200,7 +202,7 @@ def _gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
     return exact, exact.abs() * step + magnitude * x.shape[1] * 2.0**-23 + 1e-30
 
 
-@pytest.mark.parametrize("config", triton_kernels._GEMV_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", gemv._GEMV_CONFIGS, ids=str)
 @pytest.mark.parametrize(
     "n, k, bias", [(37, 600, False), (64, 1024, True), (5, 40, True), (3, 9000, False)]
 )
@@ -212,7 +214,7 @@ def test_gemv_every_tuning_config_matches_a_float64_product(config, n, k, bias) 
     w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
     b = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16) if bias else None
     kwargs = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-    out = triton_kernels.gemv(x, w, b, config=kwargs)
+    out = gemv.gemv(x, w, b, config=kwargs)
     exact, bound = _gemv_reference(x, w, b)
     assert out.shape == (1, n) and out.dtype == torch.bfloat16
     assert bool(((out.double() - exact).abs() <= bound).all())
@@ -220,10 +222,10 @@ def test_gemv_every_tuning_config_matches_a_float64_product(config, n, k, bias) 
 
 def test_gemv_applies_only_to_one_half_precision_row() -> None:
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
-    assert triton_kernels.gemv_applies(torch.zeros(1, 16, dtype=torch.bfloat16), w)
-    assert not triton_kernels.gemv_applies(torch.zeros(2, 16, dtype=torch.bfloat16), w)
-    assert not triton_kernels.gemv_applies(torch.zeros(1, 16), w.float())
-    assert not triton_kernels.gemv_applies(torch.zeros(1, 16, dtype=torch.bfloat16), w.T)
+    assert tuning.gemv_applies(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+    assert not tuning.gemv_applies(torch.zeros(2, 16, dtype=torch.bfloat16), w)
+    assert not tuning.gemv_applies(torch.zeros(1, 16), w.float())
+    assert not tuning.gemv_applies(torch.zeros(1, 16, dtype=torch.bfloat16), w.T)
 
 
 def _config_kwargs(config) -> dict:
@@ -232,10 +234,7 @@ def _config_kwargs(config) -> dict:
 
 # the first configs give each program one tile; the walking ones (PER_SM 4: 16 programs under
 # the interpreter, see `sm_count`) several
-SOME_CONFIGS = (
-    triton_kernels._GEMV_CONFIGS[:3]
-    + [c for c in triton_kernels._GEMV_CONFIGS if c.kwargs["PER_SM"]][:2]
-)
+SOME_CONFIGS = gemv._GEMV_CONFIGS[:3] + [c for c in gemv._GEMV_CONFIGS if c.kwargs["PER_SM"]][:2]
 
 
 @pytest.mark.parametrize("config", SOME_CONFIGS, ids=str)
@@ -250,14 +249,14 @@ def test_rms_norm_gemv_is_rms_norm_then_gemv(config, with_residual) -> None:
     norm_w = (torch.rand(k, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
     kept = residual.clone()
-    out, stream = triton_kernels.rms_norm_gemv(
+    out, stream = gemv.rms_norm_gemv(
         x, residual if with_residual else None, norm_w, 1e-5, w, None, config=_config_kwargs(config)
     )
     assert torch.equal(residual, kept)  # read, never written
     expected_stream = x + residual if with_residual else x
     assert torch.equal(stream, expected_stream)
-    normed = triton_kernels.rms_norm(x, norm_w, 1e-5, residual.clone() if with_residual else None)
-    expected = triton_kernels.gemv(normed, w, None, _config_kwargs(config))
+    normed = ops.rms_norm(x, norm_w, 1e-5, residual.clone() if with_residual else None)
+    expected = gemv.gemv(normed, w, None, _config_kwargs(config))
     # equal, but where an element of the normed row came out a step apart (a float32 sum of
     # squares in another order): then close
     assert (out == expected).float().mean() >= 0.9
@@ -277,12 +276,10 @@ def test_gated_rms_norm_gemv_is_silu_mul_of_its_projection(config, bias, inner, 
     w = (0.2 * torch.randn(2 * inner, k, generator=gen)).to(DEVICE, torch.bfloat16)
     b = torch.randn(2 * inner, generator=gen).to(DEVICE, torch.bfloat16) if bias else None
     kwargs = _config_kwargs(config)
-    act, stream = triton_kernels.rms_norm_gemv(
-        x, residual, norm_w, 1e-5, w, b, config=kwargs, gated=True
-    )
-    gate_up, same_stream = triton_kernels.rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, kwargs)
+    act, stream = gemv.rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, config=kwargs, gated=True)
+    gate_up, same_stream = gemv.rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, kwargs)
     assert act.shape == (1, inner)
-    assert torch.equal(act, triton_kernels.silu_mul(gate_up))
+    assert torch.equal(act, ops.silu_mul(gate_up))
     assert torch.equal(stream, same_stream) and torch.equal(stream, x + residual)
 
 
@@ -294,9 +291,9 @@ def test_gated_gemv_is_silu_mul_of_the_projection(config) -> None:
     x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
     w = (0.2 * torch.randn(2 * inner, k, generator=gen)).to(DEVICE, torch.bfloat16)
     kwargs = _config_kwargs(config)
-    act = triton_kernels.gemv(x, w, None, kwargs, gated=True)
+    act = gemv.gemv(x, w, None, kwargs, gated=True)
     assert act.shape == (1, inner)
-    assert torch.equal(act, triton_kernels.silu_mul(triton_kernels.gemv(x, w, None, kwargs)))
+    assert torch.equal(act, ops.silu_mul(gemv.gemv(x, w, None, kwargs)))
 
 
 @pytest.mark.parametrize("norm_fusion", [True, False], ids=["no-pdl", "pdl"])
@@ -307,12 +304,12 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch, norm_fusion
     own kernels, then gemv, gated for gate | up), each question names the (row, weight) pair it multiplies, both timed
     alternatives run (and agree, but for the norms', timed without the residual), and the
     logits are those of the same step through the separate kernels."""
-    from test_models import LLAMA_LIKE, VOCAB
     from transformers import LlamaConfig
 
     from kvflow.attention import AttentionMetadata, token_positions
-    from kvflow.model import allocate_kv_caches
     from kvflow.model.llama import LlamaForCausalLM
+    from kvflow.worker.kv_cache import allocate_kv_caches
+    from support.tiny_models import LLAMA_LIKE, VOCAB
 
     config = LlamaConfig(**LLAMA_LIKE)
     torch.manual_seed(0)
@@ -336,10 +333,11 @@ def test_a_llama_decode_row_through_the_one_row_kernels(monkeypatch, norm_fusion
             torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
         return use_gemv
 
-    monkeypatch.setattr(layers, "fused_ops", lambda *tensors: triton_kernels)
-    monkeypatch.setattr(layers, "_one_row_ops", lambda x: triton_kernels if len(x) == 1 else None)
-    monkeypatch.setattr(triton_kernels, "gemv_wins", wins)
-    monkeypatch.setattr(triton_kernels, "norm_fusion_pays", lambda: norm_fusion)
+    monkeypatch.setattr(layers, "fused_ops", lambda *tensors: ops)
+    monkeypatch.setattr(linear, "fused_ops", lambda *tensors: ops)
+    monkeypatch.setattr(linear, "one_row_ops", lambda x: gemv if len(x) == 1 else None)
+    monkeypatch.setattr(tuning, "gemv_wins", wins)
+    monkeypatch.setattr(tuning, "norm_fusion_pays", lambda: norm_fusion)
 
     def decode_logits() -> torch.Tensor:
         caches = allocate_kv_caches(config, 4, 16, torch.bfloat16, DEVICE)
@@ -367,8 +365,8 @@ def test_gemv_tiles_are_kept_to_64_elements_per_thread() -> None:
     program that walks tiles (PER_SM > 0) holds two tiles, and walks only where K is one pass."""
 
     def kept(block_k: int, gated: bool = False, one_pass: bool = True) -> set:
-        configs = triton_kernels._fitting_configs(
-            triton_kernels._GEMV_CONFIGS, {}, BLOCK_K=block_k, GATED=gated, ONE_PASS=one_pass
+        configs = gemv._fitting_configs(
+            gemv._GEMV_CONFIGS, {}, BLOCK_K=block_k, GATED=gated, ONE_PASS=one_pass
         )
         return {(c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["PER_SM"]) for c in configs}
 
@@ -386,11 +384,11 @@ def test_gemv_tiles_are_kept_to_64_elements_per_thread() -> None:
 def test_argmax_rows_is_torch_argmax_and_the_bad_flag(vocab: int) -> None:
     """torch.argmax's index (the first of tied maxima, inside and across chunks; the first NaN)
     and the flag of rows whose maximum is not finite, at batch 1 and larger."""
-    from logit_rows import hard_rows
+    from support.logit_rows import hard_rows
 
     for logits in hard_rows(vocab, torch.Generator().manual_seed(vocab)):
         for batch in (logits[:1], logits):
-            out = triton_kernels.argmax_rows(batch.to(DEVICE))
+            out = argmax.argmax_rows(batch.to(DEVICE))
             assert out.shape == (2, batch.shape[0]) and out.dtype == torch.int64
             assert torch.equal(out[0].cpu(), batch.argmax(dim=-1))
             bad = ~torch.isfinite(batch.amax(dim=-1))

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (`triton_kernels.pdl_args`): every CUDA kernel of a decode step,
+"""Programmatic dependent launch (`kernels.triton.pdl.pdl_args`): every CUDA kernel of a decode step,
 compiled for sm_90 by Triton's real compiler (no GPU needed: PTX is checked, not run).
 
 A kernel launched with PDL may start while the kernel before it is still running, so before
@@ -31,21 +31,21 @@ import json, re, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from kvflow.attention import triton_attn as ta
-from kvflow.model import triton_kernels as tk
+from kvflow.kernels.triton import argmax, gemv, ops
 
 P16, P32, I32 = "*bf16", "*i32", "i32"
 CASES = {
-    "rms_norm": (tk._rms_norm_kernel, dict(x_ptr=P16, res_ptr=P16, w_ptr=P16, out_ptr=P16,
+    "rms_norm": (ops._rms_norm_kernel, dict(x_ptr=P16, res_ptr=P16, w_ptr=P16, out_ptr=P16,
         eps="fp32", dim=I32, stride_x=I32, stride_res=I32, stride_out=I32),
         dict(HAS_RESIDUAL=True, BLOCK=2048)),
-    "rotary": (tk._rotary_kernel, dict(x_ptr=P16, cos_ptr=P16, sin_ptr=P16, heads=I32,
+    "rotary": (ops._rotary_kernel, dict(x_ptr=P16, cos_ptr=P16, sin_ptr=P16, heads=I32,
         stride_xt=I32, stride_xh=I32, stride_ct=I32, stride_st=I32),
         dict(HEAD_DIM=64, HEAD_PAD=64, BLOCK_H=16)),
-    "silu_mul": (tk._silu_mul_kernel, dict(gate_up_ptr=P16, out_ptr=P16, inner=I32,
+    "silu_mul": (ops._silu_mul_kernel, dict(gate_up_ptr=P16, out_ptr=P16, inner=I32,
         stride_in=I32, stride_out=I32), dict(BLOCK=1024)),
-    "argmax chunks": (tk._chunk_argmax_kernel, dict(logits_ptr="*fp32", max_ptr="*fp32",
+    "argmax chunks": (argmax._chunk_argmax_kernel, dict(logits_ptr="*fp32", max_ptr="*fp32",
         idx_ptr=P32, V=I32, stride_row=I32, chunks=I32), dict(CHUNK=2048)),
-    "argmax rows": (tk._rows_argmax_kernel, dict(max_ptr="*fp32", idx_ptr=P32,
+    "argmax rows": (argmax._rows_argmax_kernel, dict(max_ptr="*fp32", idx_ptr=P32,
         out_ptr="*i64", chunks=I32, batch=I32), dict(BLOCK_C=64)),
 }
 WRITE = dict(k_ptr=P16, v_ptr=P16, k_cache_ptr=P16, v_cache_ptr=P16, slot_ptr="*i64",
@@ -72,7 +72,7 @@ GEMV = dict(x_ptr=P16, w_ptr=P16, bias_ptr=P16, out_ptr=P16, res_ptr=P16, res_ou
     norm_w_ptr=P16, eps="fp32", N=I32, K=I32, stride_w=I32)
 for one_pass, gated, per_sm in ((True, False, 0), (True, True, 0), (True, True, 4),
                                 (False, False, 0)):
-    CASES[f"gemv one_pass={one_pass} gated={gated} per_sm={per_sm}"] = (tk._gemv_kernel, GEMV,
+    CASES[f"gemv one_pass={one_pass} gated={gated} per_sm={per_sm}"] = (gemv._gemv_kernel, GEMV,
         dict(HAS_BIAS=False, NORM=True, HAS_RESIDUAL=True, GATED=gated, BLOCK_N=4,
              BLOCK_K=2048, ONE_PASS=one_pass, PER_SM=per_sm))
 

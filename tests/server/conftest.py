@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from serverproc import ServerProc, start_server
+
+from support.serverproc import ServerProcess, start_server
 
 
 @pytest.fixture(scope="session")
@@ -19,5 +20,5 @@ def server():
 
 
 @pytest.fixture
-def client(server: ServerProc) -> openai.OpenAI:
+def client(server: ServerProcess) -> openai.OpenAI:
     return server.client()

@@ -8,11 +8,11 @@ import threading
 import time
 
 import pytest
-from fake_engine import SlowRunner, make_llm_engine
 
 from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavailableError
 from kvflow.engine.async_stats import IterationStats
 from kvflow.sampling_params import SamplingParams
+from support.fake_engine import SlowRunner, make_llm_engine
 
 PROMPT = list(range(10, 20))
 

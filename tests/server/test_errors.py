@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from serverproc import scrape
+
+from support.serverproc import scrape
 
 CAPITAL = "The capital of France is"
 

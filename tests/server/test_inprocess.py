@@ -12,12 +12,12 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 import uvicorn
-from fake_engine import SlowRunner, make_llm_engine
-from serverproc import free_port
 
 from kvflow.engine.async_llm import AsyncEngine
 from kvflow.server.api_server import _Server, build_app
 from kvflow.server.args import add_serve_arguments
+from support.fake_engine import SlowRunner, make_llm_engine
+from support.serverproc import free_port
 
 LONG = {"prompt": [504, 3575, 282], "max_tokens": 200, "ignore_eos": True}
 

@@ -7,7 +7,8 @@ import time
 
 import httpx
 import pytest
-from serverproc import scrape, wait_for
+
+from support.serverproc import scrape, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 LABELS = {"model_name": MODEL, "engine": "0"}

@@ -9,16 +9,17 @@ import signal
 import time
 
 import httpx
-from serverproc import ServerProc, in_background, scrape, start_server, wait_for
+
+from support.serverproc import ServerProcess, in_background, scrape, start_server, wait_for
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
 
 
-def running(server: ServerProc) -> float:
+def running(server: ServerProcess) -> float:
     return scrape(server).value("vllm:num_requests_running")
 
 
-def stream_lines(server: ServerProc, body: dict, headers: dict) -> list[str]:
+def stream_lines(server: ServerProcess, body: dict, headers: dict) -> list[str]:
     with httpx.stream(
         "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60
     ) as resp:
@@ -26,7 +27,7 @@ def stream_lines(server: ServerProc, body: dict, headers: dict) -> list[str]:
         return [line for line in resp.iter_lines() if line]
 
 
-def check_api_key(server: ServerProc, auth: dict) -> None:
+def check_api_key(server: ServerProcess, auth: dict) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         resp = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10)
         assert resp.status_code == 401

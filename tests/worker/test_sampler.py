@@ -285,7 +285,7 @@ def test_top_p_renormalises_after_top_k() -> None:
 def test_row_argmax_is_torch_argmax_first_index_on_ties(vocab: int) -> None:
     """The chunked reduction gives torch.argmax's index (the first of tied maxima, across and
     inside chunks; a prime vocab is one chunk) and the row maximum, at batch 1 and larger."""
-    from logit_rows import hard_rows
+    from support.logit_rows import hard_rows
 
     for logits in hard_rows(vocab, gen(vocab)):
         for batch in (logits[:1], logits):

@@ -1,7 +1,7 @@
 """The CPU backend: the native kernel for every bf16 step, else the reference with one shortcut.
 
 - bf16 with a head dim the kernel takes (a multiple of 16, at most 256):
-  `cpu_kernels.paged_attention` writes the step's K/V and attends each token over its request's
+  `kernels.cpu.attention.paged_attention` writes the step's K/V and attends each token over its request's
   context where it lies in the paged cache, whatever the step mixes (new prompts, later chunks,
   prefix hits, decode tokens). The reference gathers every context into a padded copy and pads
   every request's queries to the longest: a step of 16 decodes and 16 new 128-token prompts
@@ -26,7 +26,8 @@ from kvflow.attention.torch_ref import (
     step_mask,
     write_kv_cache,
 )
-from kvflow.model import cpu_kernels
+from kvflow.kernels.cpu import attention as native_attention
+from kvflow.kernels.cpu import build
 
 
 def cpu_paged_attention(
@@ -43,10 +44,13 @@ def cpu_paged_attention(
         q.dtype == kv_cache.dtype == torch.bfloat16
         and q.shape[-1] % 16 == 0
         and q.shape[-1] <= 256
-        and cpu_kernels.native_available()
+        and build.native_available()
     )
     if native:
-        return cpu_kernels.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
+        return native_attention.paged_attention(
+            q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
+            meta.seq_lens, meta.max_seq_len, scale, sliding_window,
+        )  # fmt: skip
     if meta.max_query_len > 1 and _new_prompts_only(meta):
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         return _new_prompts_attention(q, k, v, meta, scale, sliding_window)

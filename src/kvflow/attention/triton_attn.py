@@ -31,7 +31,7 @@ kernel rotates them as it loads them, so the rotary kernel is gone from the step
 rotate q in place (`rotary_`) and k as `write_kv` stores it. Either way the rotation rounds as
 `rotary_` (and transformers) rounds, compiled without fused multiply-adds.
 
-Under PDL (`triton_kernels.pdl_args`) a decode program reads its request's seq_len, block table
+Under PDL (`kernels.triton.pdl.pdl_args`) a decode program reads its request's seq_len, block table
 and first key tile before `gdc_wait`, while the projection before it still runs: all of it was
 written before the forward began (the host's inputs; keys of earlier steps), and the forward's
 first kernel, the embedding, is launched without PDL, so those writers are done. Everything
@@ -65,15 +65,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvflow.attention.metadata import AttentionMetadata
-from kvflow.model.triton_kernels import (
-    contiguous_rows,
-    pdl_args,
-    pdl_start,
-    rotary_,
-    rotate,
-    sm_count,
-    swapped_halves,
-)
+from kvflow.kernels.triton.device import sm_count
+from kvflow.kernels.triton.ops import contiguous_rows, rotary_, rotate, swapped_halves
+from kvflow.kernels.triton.pdl import pdl_args, pdl_start
 
 _LOG2E = 1.4426950408889634
 

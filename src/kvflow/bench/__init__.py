@@ -23,14 +23,14 @@ PERCENTILES = (90, 99)
 
 
 def load_tokenizer(path: str | None) -> Any:
-    """A HF tokenizer from `path`, or from kvflow's embedded model when None."""
-    from transformers import AutoTokenizer
+    """A HF tokenizer from a local directory or .gguf file, or from kvflow's embedded model when
+    None; never from a hub (`model.loader.load_tokenizer`)."""
+    from kvflow.model.loader import load_tokenizer as load_local
+    from kvflow.model.loader import resolve_model
 
-    if path is None:
-        from kvflow.model.loader import resolve_model
-
-        path = str(resolve_model(None))
-    return AutoTokenizer.from_pretrained(path)
+    if path is None or path.endswith(".gguf"):
+        path = str(resolve_model(path))
+    return load_local(path)
 
 
 def candidate_token_ids(tokenizer: Any) -> list[int]:

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench import candidate_token_ids
+from kvflow.bench import candidate_token_ids, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,6 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kwargs
-
-
-def load_tokenizer(model: str | None) -> Any:
-    from transformers import AutoTokenizer
-
-    from kvflow.model.loader import resolve_model
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
 def run_kvflow(args: argparse.Namespace, prompts: list[list[int]]) -> Timed:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from kvflow.model.loader import (
-    allocate_kv_caches,
-    kv_cache_shape,
     load_config,
     load_model,
     load_tokenizer,
@@ -15,9 +13,7 @@ from kvflow.model.loader import (
 from kvflow.model.registry import get_model_class, resolve_model_class, supported_architectures
 
 __all__ = [
-    "allocate_kv_caches",
     "get_model_class",
-    "kv_cache_shape",
     "load_config",
     "load_model",
     "load_tokenizer",

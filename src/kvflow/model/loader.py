@@ -7,16 +7,8 @@ Nothing is ever fetched from a hub: a model is a local Hugging Face style direct
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import importlib.metadata
-import json
 import os
-import shutil
-import struct
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +16,7 @@ import torch
 from torch import nn
 
 from kvflow.attention import AttentionBackend
+from kvflow.model.gguf_convert import convert_gguf
 from kvflow.model.layers import default_dtype
 from kvflow.model.registry import resolve_model_class
 
@@ -44,15 +37,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-# GGUF general.file_type -> dtype of the original weights (quantized files: assume bfloat16).
-_GGUF_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
-
-
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """`cache_dir`, else $KVFLOW_CACHE, else ~/.cache/kvflow."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    return Path(os.environ.get("KVFLOW_CACHE") or Path.home() / ".cache" / "kvflow").expanduser()
 
 
 def default_gguf_path() -> Path:
@@ -93,209 +77,6 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
         f"Model {model!r} is neither a local directory nor a .gguf file. kvflow never downloads "
         "from a hub: pass a local path, or omit the model for the embedded default."
     )
-
-
-def gguf_cache_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
-    """Where `gguf_path` converts to: keyed by its name, size and mtime, so edits reconvert."""
-    key = hashlib.sha256(f"{gguf_path.name}:{_stamp(gguf_path)}".encode())
-    return cache_root(cache_dir) / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
-
-
-def _stamp(path: Path) -> str:
-    stat = path.stat()
-    return f"{stat.st_size}:{stat.st_mtime_ns}"
-
-
-def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
-    """The converted directory for `gguf_path`, converting it first on a cache miss.
-
-    Safe under concurrency: converters serialize on a lock file, and each writes into a temp
-    dir next to the target that is renamed into place only when complete, so a reader never
-    sees a half-written directory.
-    """
-    target = gguf_cache_dir(gguf_path, cache_dir)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.with_name(target.name + ".lock")):
-        if (target / "config.json").is_file():
-            return target
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed converter's
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        with scratch(tmp):
-            tmp.chmod(0o755)
-            _convert_into(gguf_path, tmp)
-            source = {"gguf": str(gguf_path.resolve()), "stamp": _stamp(gguf_path)}
-            (tmp / _SOURCE).write_text(json.dumps(source))
-            os.rename(tmp, target)
-    _prune_unreachable(target.parent)
-    return target
-
-
-_SOURCE = "kvflow-source.json"  # which GGUF (path, size and mtime) a cache directory holds
-
-
-def _prune_unreachable(root: Path) -> None:
-    """Remove the conversions no lookup can reach again: their GGUF is gone (its virtualenv
-    deleted) or changed (a reinstall gives it a new mtime, hence a new key). Each reinstall
-    used to leave its 0.5 GB conversion of the default model behind. Directories without a
-    source record (written before there was one) and those being converted are left alone."""
-    for entry in root.iterdir():
-        record = entry / _SOURCE
-        if entry.name.startswith(".") or not record.is_file():
-            continue
-        try:
-            source = json.loads(record.read_text())
-            gguf = Path(source["gguf"])
-            if gguf.is_file() and _stamp(gguf) == source["stamp"]:
-                continue  # reachable
-        except (OSError, ValueError, KeyError):
-            pass  # unreadable: nothing can reach it either
-        lock = entry.with_name(entry.name + ".lock")
-        with open(lock, "a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a converter holds it
-            shutil.rmtree(entry, ignore_errors=True)
-        lock.unlink(missing_ok=True)
-
-
-_SCRATCH: set[Path] = set()
-
-
-@contextlib.contextmanager
-def scratch(path: Path) -> Iterator[None]:
-    """`path`, a temporary file or directory being written, is removed when the block ends
-    (if still there) and by `remove_scratch` if the process is cut short inside the block."""
-    _SCRATCH.add(path)
-    try:
-        yield
-    finally:
-        _SCRATCH.discard(path)
-        _remove(path)
-
-
-def remove_scratch() -> None:
-    """Remove every `scratch` path being written now (before a hard exit on a signal)."""
-    for path in list(_SCRATCH):
-        _remove(path)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _convert_into(gguf_path: Path, out: Path) -> None:
-    """Dequantize a GGUF with transformers and write float32 safetensors, config, tokenizer."""
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = dict(gguf_file=gguf_path.name, local_files_only=True)
-    with tqdm(total=4, desc=f"kvflow: converting {gguf_path.name}", unit="step") as bar:
-        bar.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **source)
-        tokenizer.save_pretrained(out)
-        bar.update()
-        bar.set_postfix_str("weights")
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, dtype=torch.float32, **source
-        )
-        bar.update()
-        bar.set_postfix_str("safetensors")
-        state = model.state_dict()
-        if getattr(model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in state.items()}
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        bar.update()
-        bar.set_postfix_str("config")
-        config = model.config
-        if hasattr(config, "quantization_config"):  # the weights written are dequantized
-            del config.quantization_config
-        config.architectures = [type(model).__name__]
-        config.dtype = _gguf_source_dtype(gguf_path)
-        config.save_pretrained(out)
-        model.generation_config.save_pretrained(out)
-        source_info = {"gguf": str(gguf_path), "size": gguf_path.stat().st_size}
-        (out / "kvflow_source.json").write_text(json.dumps(source_info, indent=2) + "\n")
-        bar.update()
-
-
-def _gguf_source_dtype(gguf_path: Path) -> str:
-    """The dtype the GGUF was made from: its file type when unquantized, else bfloat16."""
-    try:
-        file_type = _gguf_header_value(gguf_path, "general.file_type")
-    except (OSError, ValueError, struct.error):  # an odd header only loses this hint
-        file_type = None
-    return _GGUF_FILE_TYPES.get(file_type, "bfloat16") if isinstance(file_type, int) else "bfloat16"
-
-
-# GGUF value types with a fixed size: struct format per type id (8 = string, 9 = array).
-_GGUF_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-
-
-def _gguf_header_value(gguf_path: Path, key: str) -> object:
-    """One scalar of a GGUF file's key/value header (None if absent), read without the tensors.
-
-    Layout (little endian): magic "GGUF", u32 version, u64 tensor count, u64 kv count, then per
-    kv: u64-length key, u32 value type, value. (gguf's GGUFReader parses the whole file: slow.)
-    """
-    with open(gguf_path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{gguf_path} is not a GGUF file")
-        _version, _tensors, kv_count = struct.unpack("<IQQ", f.read(20))
-        for _ in range(kv_count):
-            name = f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8", "replace")
-            value_type = struct.unpack("<I", f.read(4))[0]
-            if name == key and value_type in _GGUF_SCALARS:
-                fmt = "<" + _GGUF_SCALARS[value_type]
-                return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-            _skip_gguf_value(f, value_type)
-    return None
-
-
-def _skip_gguf_value(f: Any, value_type: int) -> None:
-    if value_type in _GGUF_SCALARS:
-        f.seek(struct.calcsize(_GGUF_SCALARS[value_type]), os.SEEK_CUR)
-    elif value_type == 8:
-        f.seek(struct.unpack("<Q", f.read(8))[0], os.SEEK_CUR)
-    elif value_type == 9:
-        item_type, count = struct.unpack("<IQ", f.read(12))
-        if item_type in _GGUF_SCALARS:
-            f.seek(count * struct.calcsize(_GGUF_SCALARS[item_type]), os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _skip_gguf_value(f, item_type)
-    else:
-        raise ValueError(f"unknown GGUF value type {value_type}")
 
 
 def load_config(path: str | os.PathLike[str]) -> Any:
@@ -404,24 +185,3 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
-def kv_cache_shape(hf_config: Any) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of the paged KV cache."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return hf_config.num_hidden_layers, kv_heads, head_dim
-
-
-def allocate_kv_caches(
-    hf_config: Any,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: str | torch.device,
-) -> list[torch.Tensor]:
-    """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim] (K, V)."""
-    num_layers, kv_heads, head_dim = kv_cache_shape(hf_config)
-    shape = (2, num_blocks, block_size, kv_heads, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -28,7 +28,7 @@ from fastapi import FastAPI
 
 from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.model.loader import remove_scratch
+from kvflow.paths import remove_scratch
 from kvflow.server.args import add_serve_arguments, engine_args_from
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.metrics import ServerMetrics
@@ -188,7 +188,7 @@ def _install_start_up_signals() -> None:
 
 
 def _exit_during_start_up(signum: int, frame: FrameType | None) -> None:
-    """Removes what is half-written (`loader.remove_scratch`: a GGUF conversion's temporary
+    """Removes what is half-written (`paths.remove_scratch`: a GGUF conversion's temporary
     directory, a kernel build's output) and exits with 128 + signal. It raises nothing: an
     exception raised here can land in Python code that C++ called (torch's imports run such
     code), and escaping through C++ it aborts the process."""

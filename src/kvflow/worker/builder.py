@@ -11,19 +11,20 @@ import torch
 from kvflow.attention import AttentionBackend, AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
-from kvflow.model import cpu_kernels
-from kvflow.model.layers import prepack_for_cpu
+from kvflow.kernels.cpu.build import native_available
+from kvflow.model.linear import prepack_for_cpu
 from kvflow.model.loader import (
-    allocate_kv_caches,
-    kv_cache_shape,
+    load_config,
     load_model,
     load_tokenizer,
+    model_context_len,
     resolve_dtype,
     resolve_model,
 )
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
+from kvflow.worker.kv_cache import allocate_kv_caches, kv_cache_shape
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.sampler import SamplingMetadata, TokenHistory, sample
 
@@ -163,14 +164,6 @@ def attention_backend(device: str) -> AttentionBackend:
     return cpu_paged_attention
 
 
-def model_context_len(hf_config) -> int:
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(hf_config, name, None)
-        if value:
-            return int(value)
-    return 2048
-
-
 def load_chat_template(tokenizer, chat_template: str | None) -> None:
     if chat_template is None:
         return
@@ -188,9 +181,7 @@ def build_engine(cls, args, log_steps: bool):
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
     load_chat_template(tokenizer, args.chat_template)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    hf_config = load_config(path)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
     backend = attention_backend(device)
@@ -212,7 +203,7 @@ def build_engine(cls, args, log_steps: bool):
         model, hf_config = load_model(path, dtype, device, attn_backend=backend)
     if device == "cpu":
         prepack_for_cpu(model)
-        native = cpu_kernels.native_available()  # builds them now, not on the first request
+        native = native_available()  # builds them now, not on the first request
         logger.info("native CPU kernels: %s", "on" if native else "off (torch paths)")
     kv_caches = allocate_kv_caches(hf_config, num_blocks, args.block_size, dtype, device)
     graphs = None

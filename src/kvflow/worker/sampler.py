@@ -4,7 +4,7 @@
 device -> host copies happen when a caller reads `SamplerOutput.token_ids` (with the bad rows,
 in one copy) or `.logprobs`. An all-greedy batch without penalties is one chunked reduction
 (`row_argmax`) that gives both the tokens and the bad rows; on CUDA two Triton kernels
-(`triton_kernels.argmax_rows`), which also lay out the block the host copies.
+(`kernels.triton.argmax.argmax_rows`), which also lay out the block the host copies.
 `SamplingMetadata.build()` runs every step, so it only makes the tensors a batch needs.
 """
 
@@ -342,12 +342,12 @@ def sample(logits: Tensor, meta: SamplingMetadata, raw: RawArgmax | None = None)
 
 def raw_argmax(logits: Tensor) -> RawArgmax:
     """The greedy tokens and bad rows (see `SamplerOutput.bad_mask`) of raw float32 logits: on
-    CUDA from two Triton kernels (`triton_kernels.argmax_rows`, which also lay out the block the
+    CUDA from two Triton kernels (`kernels.triton.argmax.argmax_rows`, which also lay out the block the
     host copies), elsewhere from `row_argmax`."""
     if logits.is_cuda:
-        from kvflow.model import triton_kernels  # triton is only installed with CUDA
+        from kvflow.kernels.triton.argmax import argmax_rows  # triton: CUDA installs only
 
-        ids_and_bad = triton_kernels.argmax_rows(logits)
+        ids_and_bad = argmax_rows(logits)
         return ids_and_bad[0], ids_and_bad[1], ids_and_bad
     argmax, row_max = row_argmax(logits)
     # not finite: x - x is NaN for NaN and +-inf

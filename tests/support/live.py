@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # in_background and wait_for are re-exported for the tests.
-from server.serverproc import (  # noqa: E402, F401
+from support.serverproc import (  # noqa: F401
+    LABELS,
+    MODEL,
     Metrics,
     ServerProcess,
     in_background,
@@ -28,8 +27,6 @@ from server.serverproc import (  # noqa: E402, F401
     wait_for,
 )
 
-MODEL = "SmolLM2-135M-Instruct"
-LABELS = {"model_name": MODEL, "engine": "0"}
 PROMPT = "The capital of France is"
 LONG_WAIT = 60.0  # a liveness bound: an answer within this instead of never
 
@@ -51,54 +48,13 @@ def token_prompt(n: int, offset: int = 0) -> list[int]:
     return [1000 + (offset * 977 + i * 7) % 30000 for i in range(n)]
 
 
-class Live(ServerProcess):
-    """A server under a liveness test: the base's process handling plus metrics and /proc."""
-
-    def post(self, body: dict, path: str = "/v1/completions", timeout: float = LONG_WAIT):
-        return httpx.post(f"{self.url}{path}", json=body, timeout=timeout)
-
-    def metrics(self) -> Metrics:
-        return scrape(self)
-
-    def gauge(self, name: str) -> float:
-        return self.metrics().value(name, **LABELS)
-
-    def idle(self) -> bool:
-        """Nothing running or waiting, and no block held (prefix-cached blocks count as free)."""
-        m = self.metrics()
-        return (
-            m.value("vllm:num_requests_running", **LABELS) == 0
-            and m.value("vllm:num_requests_waiting", **LABELS) == 0
-            and m.value("vllm:kv_cache_usage_perc", **LABELS) == 0
-        )
-
-    def cpu_seconds(self) -> float:
-        """utime + stime of the whole process (every thread), from /proc/<pid>/stat."""
-        stat = Path(f"/proc/{self.pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def children(self) -> list[int]:
-        """Pids of the process's children (from every thread's /proc children list)."""
-        pids: list[int] = []
-        for task in Path(f"/proc/{self.pid}/task").glob("*"):
-            try:
-                pids += [int(p) for p in (task / "children").read_text().split()]
-            except OSError:
-                pass
-        return pids
-
-    def num_threads(self) -> int:
-        return len(list(Path(f"/proc/{self.pid}/task").glob("*")))
-
-
-def spawn(flags: list[str], env: dict[str, str] | None = None) -> Live:
+def spawn(flags: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     """Start `python -m kvflow.server.api_server` with `flags`; does not wait for it."""
     inherited = {k: v for k, v in os.environ.items() if k != "KVFLOW_FAULT"}
-    return Live(*launch(flags, {**inherited, **(env or {})}, "kvflow-live-"))
+    return ServerProcess(*launch(flags, {**inherited, **(env or {})}, "kvflow-live-"))
 
 
-def start(flags: list[str], env: dict[str, str] | None = None) -> Live:
+def start(flags: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     """Spawn a server and wait until /health answers 200 (fails the test otherwise)."""
     server = spawn(flags, env)
     server.wait_healthy()
@@ -106,7 +62,7 @@ def start(flags: list[str], env: dict[str, str] | None = None) -> Live:
 
 
 @contextmanager
-def serving(flags: list[str], env: dict[str, str] | None = None) -> Iterator[Live]:
+def serving(flags: list[str], env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A healthy server for the block; SIGTERM (then SIGKILL) at the end."""
     server = start(flags, env)
     try:
@@ -125,7 +81,7 @@ def serving(flags: list[str], env: dict[str, str] | None = None) -> Iterator[Liv
 
 
 def sse_lines(
-    server: Live, body: dict, path: str = "/v1/completions", timeout: float = LONG_WAIT
+    server: ServerProcess, body: dict, path: str = "/v1/completions", timeout: float = LONG_WAIT
 ) -> tuple[int, list[str]]:
     """(status, non-empty lines) of a streamed request, read to the end."""
     with httpx.stream(

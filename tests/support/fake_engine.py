@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from fakes import FakeRunner
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
+from support.fakes import FakeRunner
 
 
 class SlowRunner(FakeRunner):

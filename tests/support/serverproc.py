@@ -2,7 +2,7 @@
 scraping, polling.
 
 The first start converts the embedded GGUF model into ~/.cache/kvflow (up to a minute); later
-starts reuse it. JSON answers fetched through `ServerProc.get/post` are recorded so
+starts reuse it. JSON answers fetched through `ServerProcess.get/post` are recorded so
 test_openapi can check them against /openapi.json.
 """
 
@@ -29,6 +29,8 @@ import pytest
 GEOMETRY = ["--dtype", "float32", "--num-blocks", "128", "--block-size", "16"]
 MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 240.0
+MODEL = "SmolLM2-135M-Instruct"
+LABELS = {"model_name": MODEL, "engine": "0"}  # the engine's metric labels
 
 
 def free_port() -> int:
@@ -44,6 +46,8 @@ class ServerProcess:
     proc: subprocess.Popen
     port: int
     log_path: Path
+    # JSON answers of `post` and `get`, for test_openapi's check against /openapi.json
+    received: list[tuple[str, str, int, object]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -93,6 +97,57 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def post(self, path: str, body: dict, timeout: float = 60.0, **kwargs) -> httpx.Response:
+        """POST JSON to `path`; the answer is recorded (see `received`)."""
+        response = httpx.post(f"{self.url}{path}", json=body, timeout=timeout, **kwargs)
+        self.record("post", path, response)
+        return response
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        response = httpx.get(f"{self.url}{path}", timeout=30.0, **kwargs)
+        self.record("get", path, response)
+        return response
+
+    def record(self, method: str, path: str, response: httpx.Response) -> None:
+        if response.headers.get("content-type", "").startswith("application/json"):
+            self.received.append((method, path, response.status_code, response.json()))
+
+    # ---- /metrics and /proc --------------------------------------------------------------
+
+    def metrics(self) -> Metrics:
+        return scrape(self)
+
+    def gauge(self, name: str) -> float:
+        return self.metrics().value(name, **LABELS)
+
+    def idle(self) -> bool:
+        """Nothing running or waiting, and no block held (prefix-cached blocks count as free)."""
+        m = self.metrics()
+        return (
+            m.value("vllm:num_requests_running", **LABELS) == 0
+            and m.value("vllm:num_requests_waiting", **LABELS) == 0
+            and m.value("vllm:kv_cache_usage_perc", **LABELS) == 0
+        )
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the whole process (every thread), from /proc/<pid>/stat."""
+        stat = Path(f"/proc/{self.pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def children(self) -> list[int]:
+        """Pids of the process's children (from every thread's /proc children list)."""
+        pids: list[int] = []
+        for task in Path(f"/proc/{self.pid}/task").glob("*"):
+            try:
+                pids += [int(p) for p in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return pids
+
+    def num_threads(self) -> int:
+        return len(list(Path(f"/proc/{self.pid}/task").glob("*")))
+
 
 def launch(
     args: list[str], env: dict[str, str], log_prefix: str
@@ -110,34 +165,14 @@ def launch(
     return proc, port, Path(log_name)
 
 
-@dataclass
-class ServerProc(ServerProcess):
-    received: list[tuple[str, str, int, object]] = field(default_factory=list)
-
-    def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
-        """POST JSON and remember the answer for the OpenAPI check."""
-        response = httpx.post(f"{self.url}{path}", json=body, timeout=60.0, **kwargs)
-        self.record("post", path, response)
-        return response
-
-    def get(self, path: str, **kwargs) -> httpx.Response:
-        response = httpx.get(f"{self.url}{path}", timeout=30.0, **kwargs)
-        self.record("get", path, response)
-        return response
-
-    def record(self, method: str, path: str, response: httpx.Response) -> None:
-        if response.headers.get("content-type", "").startswith("application/json"):
-            self.received.append((method, path, response.status_code, response.json()))
-
-
-def start_server(*extra: str, geometry: list[str] | None = None) -> ServerProc:
+def start_server(*extra: str, geometry: list[str] | None = None) -> ServerProcess:
     args = [
         *(geometry or [*GEOMETRY, "--max-model-len", str(MAX_MODEL_LEN)]),
         "--uvicorn-log-level",
         "warning",
         *extra,
     ]
-    server = ServerProc(*launch(args, dict(os.environ), "kvflow-server-"))
+    server = ServerProcess(*launch(args, dict(os.environ), "kvflow-server-"))
     server.wait_healthy()
     return server
 

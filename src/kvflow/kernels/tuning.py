@@ -1,0 +1,137 @@
+"""Start-up tuning: the choices between kernels that are measured on the machine, once per
+process (CPU: the native linear kernel against oneDNN by rows; CUDA: the one-row projections
+against cuBLAS by weight shape)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvflow.kernels.cpu.build import native_available
+from kvflow.kernels.cpu.linear import bf16_linear, pack_linear_weight
+from kvflow.kernels.cpu.onednn import onednn_linear, pack_weight
+
+logger = logging.getLogger("kvflow.engine")
+
+
+@functools.cache
+def native_linear_max_rows() -> int:
+    """Up to how many rows the native kernel beats oneDNN's packed matmul on this CPU, measured
+    once per process on a [1536, 576] weight (a small model's MLP): rows double from 16 while the
+    native kernel stays ahead (best of 3 runs each). Always at least 8, where reading the weight
+    once is what counts. Crossovers seen: 8 rows on an AVX-512 EPYC, 128 with AMX tiles, 512 on
+    a Zen 5 EPYC, whose oneDNN matmul is no faster even at 2,048 (benchmarks/RESULTS.md)."""
+    if not native_available():
+        return 0
+    weight = torch.randn(1536, 576, dtype=torch.bfloat16)
+    native, packed = pack_linear_weight(weight), pack_weight(weight)
+    if native is None or packed is None:
+        return 0 if native is None else 1 << 30
+
+    def best_of_3(fn: Callable[..., torch.Tensor], *args) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    rows = 8
+    while rows < 4096:
+        x = torch.randn(2 * rows, weight.shape[1], dtype=weight.dtype)
+        ours = best_of_3(bf16_linear, x, native, None, weight.shape[0])
+        theirs = best_of_3(onednn_linear, x, packed, None)
+        if ours > theirs:
+            break
+        rows *= 2
+    return rows
+
+
+def norm_fusion_pays() -> bool:
+    """Whether `rms_norm_gemv` (the norm made inside the projection) is worth timing against
+    the norm's own kernel then the projection: not with PDL. There the norm's kernel starts
+    while the kernel before it ends, and the projection after it loads its weights meanwhile;
+    in the H200's decode graph (benchmarks/RESULTS.md 2026-12-01 00:50) the separate norm and
+    qkv took 4.9 us against 5.9 for the fused kernel, and gate_up with the norm inside 21.3
+    against 16.5 without it, which the one-launch timing `gemv_wins` uses could not see."""
+    from kvflow.kernels.triton.pdl import pdl_args  # triton: CUDA installs only
+
+    return not pdl_args()["PDL"]
+
+
+# (what, N, K, dtype, bias?) -> (ms of the one-row kernel, ms of what it replaces), as timed
+_GEMV_TIMES: dict[tuple, tuple[float, float]] = {}
+
+
+def gemv_wins(
+    what: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ours: Callable[[], object],
+    theirs: Callable[[], object],
+) -> bool:
+    """Whether the one-row kernel `ours` (a `gemv` of x by weight, maybe with the norm before
+    it made inside) beats `theirs` (what runs without it: cuBLAS, after the norm's own kernel)
+    for this `what` and weight shape on this card; False where `gemv` does not apply. Timed
+    on the first call per shape as a decode graph runs them (`graph_us`); inside a CUDA graph
+    capture an untimed shape answers False (the decode graphs warm every bucket up before
+    capturing), and so does a shape whose timing failed (cuBLAS is always correct)."""
+    if not gemv_applies(x, weight):
+        return False
+    key = (what, *weight.shape, x.dtype, bias is not None)
+    times = _GEMV_TIMES.get(key)
+    if times is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            times = (graph_us(ours), graph_us(theirs))
+        except Exception as exc:  # any failure here must cost speed only
+            logger.warning("one-row %s %s: timing failed (%r); cuBLAS it is", what, key[1:3], exc)
+            times = (float("inf"), 0.0)
+        _GEMV_TIMES[key] = times
+    return times[0] < times[1]
+
+
+def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Device microseconds per call of `fn` as a decode graph sees them: `reps` calls captured
+    in a CUDA graph, each after a write over 96 MB (the weights come from HBM, as in a step,
+    not from the 60 MB L2), less the same graph without `fn`. `fn` runs once first, outside
+    the capture (Triton tunes its tile, nested choices are made)."""
+    fn()
+    flush = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")
+
+    def replay_ms(with_fn: bool) -> float:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine's other threads may use CUDA meanwhile (at serve time)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    with_fn = min(replay_ms(True) for _ in range(2))
+    return 1e3 * max(with_fn - min(replay_ms(False) for _ in range(2)), 0.0) / reps
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One half-precision row against a row-major weight: what `gemv` takes."""
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.stride(1) == 1
+        and x.stride(1) == 1
+    )

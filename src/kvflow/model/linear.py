@@ -1,0 +1,219 @@
+"""Linear layers: weight loaders, the fused Linear/MergedLinear, and the one place that picks each
+projection's kernel (`linear`): native CPU kernel, oneDNN, Triton's one-row `gemv` or torch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.kernels import tuning
+from kvflow.kernels.cpu.linear import bf16_linear, pack_linear_weight
+from kvflow.kernels.cpu.onednn import onednn_linear, pack_weight
+from kvflow.kernels.select import fused_ops, one_row_ops
+
+logger = logging.getLogger(__name__)
+
+WeightLoader = Callable[..., None]
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+) -> None:
+    """Copy a whole checkpoint tensor into `param` (shapes must match exactly)."""
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is not fused (shard {shard_id})")
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def attach_loaders(module: nn.Module, loader: WeightLoader) -> None:
+    for param in module.parameters(recurse=False):
+        param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    native: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, in] @ weight.T (+ bias): small batches through the native kernel's packed weight
+    when there is one (bound by reading the weight once), larger ones through oneDNN's
+    pre-packed weight (faster once the matmul is compute-bound), one row on CUDA through
+    Triton's `gemv` where it beats cuBLAS, else F.linear."""
+    if native is not None and x.shape[0] <= tuning.native_linear_max_rows():
+        return bf16_linear(x, native, bias, weight.shape[0])
+    if packed is not None:
+        return onednn_linear(x, packed, bias)
+    ops = one_row_ops(x)
+    if ops is not None:
+
+        def gemv() -> torch.Tensor:
+            return ops.gemv(x, weight, bias)
+
+        if tuning.gemv_wins("linear", x, weight, bias, gemv, lambda: F.linear(x, weight, bias)):
+            return gemv()
+    return F.linear(x, weight, bias)
+
+
+def logits_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    native: torch.Tensor | None,
+) -> torch.Tensor:
+    """float32 logits of hidden rows x [N, hidden] by the head's weight [vocab, hidden]:
+    `linear` in the model's dtype, then float32. A decode row on CUDA stores its logits in
+    float32 straight from the one-row kernel where that wins, saving the conversion's kernel."""
+    ops = one_row_ops(x)
+    if ops is not None:
+
+        def gemv() -> torch.Tensor:
+            return ops.gemv(x, weight, None, out_dtype=torch.float32)
+
+        if tuning.gemv_wins("logits", x, weight, None, gemv, lambda: F.linear(x, weight).float()):
+            return gemv()
+    return linear(x, weight, None, packed, native).float()
+
+
+def prepack_for_cpu(model: nn.Module) -> int:
+    """Pack every Linear's weight (and the logits head's) for oneDNN and for the native kernel
+    (each where it applies); returns how many weights got a oneDNN packing.
+
+    A Linear whose weight got both packings never reads the weight again (`linear` takes one or
+    the other), so it lets the weight go (`_release_weight`): three copies of every weight came
+    to 0.8 GB for a 135M-parameter model. An untied logits head is such a Linear and its packings
+    serve `compute_logits`; a head tied to the embedding keeps its weight for the lookups."""
+    head = model.logits_weight() if hasattr(model, "logits_weight") else None
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        module.packed = pack_weight(module.weight)
+        module.native = pack_linear_weight(module.weight)
+        count += module.packed is not None
+        if module.weight is head:  # untied: the head's packings are this module's
+            model.head_packed, model.head_native, head = module.packed, module.native, None
+        if module.packed is not None and module.native is not None:
+            _release_weight(module)
+    if head is not None:
+        model.head_packed = pack_weight(head)
+        model.head_native = pack_linear_weight(head)
+        count += model.head_packed is not None
+    return count
+
+
+def _release_weight(module: Linear) -> None:
+    """Swap `module.weight` for a placeholder of the same shape and dtype that holds one element
+    (a zero expanded, never read): `linear` still takes the output size from its shape."""
+    weight = module.weight
+    del module.weight  # the Parameter goes; a plain tensor attribute takes its name
+    module.weight = weight.new_zeros(()).expand(weight.shape)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without random init; its parameters load whole checkpoint tensors."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        attach_loaders(self, default_weight_loader)
+        self.packed: torch.Tensor | None = None  # set by prepack_for_cpu
+        self.native: torch.Tensor | None = None  # set by prepack_for_cpu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed, self.native)
+
+    def reset_parameters(self) -> None:
+        """Left uninitialised on purpose: the loader overwrites every parameter."""
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input fused along the output dim (q|k|v, gate|up).
+
+    Shard i of the checkpoint fills output rows sum(output_sizes[:i]) .. + output_sizes[i].
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+        attach_loaders(self, self._load_shard)
+
+    def _load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"fused parameter needs a shard id in 0..{len(self.output_sizes) - 1}")
+        offset = sum(self.output_sizes[:shard_id])
+        size = self.output_sizes[shard_id]
+        default_weight_loader(param.data[offset : offset + size], loaded)  # type: ignore[arg-type]
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """The fused output cut back into its shards, in checkpoint order."""
+        return list(out.split(self.output_sizes, dim=-1))
+
+
+def norm_linear(
+    norm: nn.Module,
+    proj: Linear,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(proj(norm(x + residual)), the residual stream x + residual); `residual` None: the first
+    layer, whose stream is x. `silu`: proj is gate | up and the result silu(gate) * up. A
+    decode row on CUDA makes the norm inside the projection's kernel where that beats the
+    separate kernels (timed once per shape; only without PDL, see `norm_fusion_pays`)."""
+    ops = one_row_ops(x)
+    contiguous = residual is None or residual.is_contiguous()
+    if ops is not None and contiguous and tuning.norm_fusion_pays():
+        weight, bias = proj.weight, proj.bias
+
+        def fused() -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, weight, bias, gated=silu)
+
+        def separate() -> torch.Tensor:  # timed without the residual (not to change it)
+            return _projection(ops.rms_norm(x, norm.weight, norm.eps), proj, silu)
+
+        if tuning.gemv_wins("norm+silu" if silu else "norm", x, weight, bias, fused, separate):
+            return fused()
+    if residual is None:
+        normed, residual = norm(x), x
+    else:
+        normed, residual = norm(x, residual)
+    return _projection(normed, proj, silu), residual
+
+
+def _projection(x: torch.Tensor, proj: Linear, silu: bool) -> torch.Tensor:
+    """proj(x); `silu`: silu(gate) * up of it, for a decode row on CUDA in the projection's
+    kernel (its epilogue) where that beats the projection then `silu_mul`."""
+    if not silu:
+        return proj(x)
+    ops = one_row_ops(x)
+    if ops is not None:
+        weight, bias = proj.weight, proj.bias
+
+        def gated() -> torch.Tensor:
+            return ops.gemv(x, weight, bias, gated=True)
+
+        def separate() -> torch.Tensor:
+            return ops.silu_mul(linear(x, weight, bias, None))
+
+        if tuning.gemv_wins("silu", x, weight, bias, gated, separate):
+            return gated()
+    return _silu_mul(proj(x))
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    ops = fused_ops(gate_up)
+    if ops is not None:
+        return ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

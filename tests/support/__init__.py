@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: server processes, fakes, tiny models, kernel cases."""
