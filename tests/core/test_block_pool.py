@@ -74,6 +74,22 @@ def test_duplicate_hash_keeps_first_block_and_reset_clears_cache():
     pool.check_invariants()
 
 
+def test_uncache_withdraws_held_and_free_cached_blocks():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    ha, hb = hash_block(b"", [1]), hash_block(b"", [2])
+    pool.cache_block(a, ha)
+    pool.cache_block(b, hb)
+    pool.free_blocks([b])  # b: free and cached; a: still held
+    pool.uncache(a)
+    pool.uncache(b)
+    assert pool.get_cached_block(ha) is None and pool.get_cached_block(hb) is None
+    pool.check_invariants()
+    pool.free_blocks([a])  # a goes back as a plain free block, after b
+    assert ids(pool.get_new_blocks(3)) == [3, 2, 1]
+    pool.check_invariants()
+
+
 def test_chained_hashes_depend_on_prefix_and_extend_incrementally():
     toks = list(range(10))
     full = hash_full_blocks(toks, 4, [])

@@ -170,6 +170,21 @@ def test_failed_request_fails_alone(async_scheduling):
 
 
 @both_modes
+@pytest.mark.parametrize("fails", [False, True], ids=["ok", "failed"])
+def test_blocks_of_a_request_failed_in_the_model_give_no_prefix_hit(async_scheduling, fails):
+    """A request that fails in the model may leave non-finite K/V in its blocks: the same prompt
+    later computes them again instead of reading them from the prefix cache (a healthy
+    request's blocks are hits, as the control shows)."""
+    eng = make_engine(async_scheduling=async_scheduling, fail={"first"} if fails else set())
+    add(eng, "first", 9, max_tokens=1)  # two full blocks of 4, cached when allocated
+    run_to_end(eng)
+    again = add(eng, "again", 9, max_tokens=1)
+    outs = run_to_end(eng)
+    assert outs["again"][-1].finish_reason == "length"
+    assert again.num_cached_tokens == (0 if fails else 8)
+
+
+@both_modes
 def test_stuck_head_is_failed_not_spun(caplog, async_scheduling):
     eng = make_engine(async_scheduling=async_scheduling, num_blocks=3, block_size=4)  # C = 8
     # Break the invariant on purpose: pretend the context is larger than the pool.

@@ -103,6 +103,16 @@ class BlockPool:
                 else:
                     self._free_cached[block.block_id] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Withdraw `block` from the prefix cache (no later request gets it as a hit); a free
+        cached block becomes a plain free block. Its KV stays until the block is written again."""
+        if block.block_hash is None:
+            return
+        self._evict(block)
+        if block.ref_cnt == 0:
+            del self._free_cached[block.block_id]
+            self._free_uncached[block.block_id] = block
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; free cached blocks become plain free blocks."""
         for block in self._cached.values():

@@ -107,6 +107,12 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[request.request_id] = end
 
+    def uncache(self, request: Request) -> None:
+        """Withdraw the request's blocks from the prefix cache: a request that failed in the
+        model may have left non-finite K/V in them, which a prefix hit would read as context."""
+        for block in self.req_to_blocks.get(request.request_id, []):
+            self.pool.uncache(block)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its shared prefix is evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

@@ -195,7 +195,8 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None:
                 continue
-            if req_id in failed:
+            if req_id in failed:  # its K/V may be non-finite: no prefix hit may read them
+                self.kv.uncache(req)
                 outputs.extend(
                     self.finish_requests([req_id], RequestStatus.FINISHED_ERROR, failed[req_id])
                 )
