@@ -30,7 +30,7 @@ PROBE = r"""
 import json, re, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from kvflow.attention import triton_attn as ta
+from kvflow.kernels.triton import attention_decode, attention_prefill, kv_write
 from kvflow.kernels.triton import argmax, gemv, ops
 
 P16, P32, I32 = "*bf16", "*i32", "i32"
@@ -52,22 +52,25 @@ WRITE = dict(k_ptr=P16, v_ptr=P16, k_cache_ptr=P16, v_cache_ptr=P16, slot_ptr="*
     cos_ptr=P16, sin_ptr=P16, stride_kt=I32, stride_kh=I32, stride_vt=I32, stride_vh=I32,
     stride_cache_slot=I32, stride_cache_head=I32, stride_ct=I32, stride_st=I32)
 for rotary in (False, True):
-    CASES[f"write_kv rotary={rotary}"] = (ta._write_kv_kernel, WRITE, dict(
+    CASES[f"write_kv rotary={rotary}"] = (kv_write._write_kv_kernel, WRITE, dict(
         HEADS=8, HEADS_PAD=8, HEAD_DIM=64, HEAD_PAD=64, ROTARY=rotary))
-ATTN = dict(q_ptr=P16, out_ptr=P16, k_cache_ptr=P16, v_cache_ptr=P16, block_tables_ptr=P32,
-    query_start_loc_ptr=P32, seq_lens_ptr=P32, tile_req_ptr=P32, tile_start_ptr=P32,
-    k_ptr=P16, v_ptr=P16, slot_ptr="*i64", cos_ptr=P16, sin_ptr=P16, counter_ptr=P32,
-    part_ml_ptr="*fp32", part_acc_ptr="*fp32",
-    qk_scale="fp32", window=I32, stride_qt=I32, stride_qh=I32, stride_ot=I32, stride_oh=I32,
-    stride_cache_block=I32, stride_cache_offset=I32, stride_cache_head=I32, stride_table=I32,
-    stride_kt=I32, stride_kh=I32, stride_vt=I32, stride_vh=I32, stride_ct=I32, stride_st=I32)
-for decode, rotary, splits in ((True, False, 1), (False, False, 1), (True, True, 1),
-                               (True, True, 16)):
-    CASES[f"attention decode={decode} rotary={rotary} splits={splits}"] = (
-        ta._paged_attention_kernel, ATTN,
-        dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=256, HEAD_DIM=64,
-             HEAD_PAD=64, BLOCK_SIZE=16, HAS_WINDOW=False, DECODE=decode, ROTARY=rotary,
-             SPLITS=splits))
+COMMON = dict(q_ptr=P16, out_ptr=P16, k_cache_ptr=P16, v_cache_ptr=P16, block_tables_ptr=P32,
+    seq_lens_ptr=P32)
+STRIDES = dict(qk_scale="fp32", window=I32, stride_qt=I32, stride_qh=I32, stride_ot=I32,
+    stride_oh=I32, stride_cache_block=I32, stride_cache_offset=I32, stride_cache_head=I32,
+    stride_table=I32)
+TILE = dict(GROUP=4, GROUP_PAD=4, BLOCK_M=16, BLOCK_N=256, HEAD_DIM=64, HEAD_PAD=64,
+    BLOCK_SIZE=16, HAS_WINDOW=False)
+PREFILL = dict(COMMON, query_start_loc_ptr=P32, tile_req_ptr=P32, tile_start_ptr=P32, **STRIDES)
+CASES["attention decode=False rotary=False splits=1"] = (
+    attention_prefill._varlen_attention_kernel, PREFILL, dict(TILE, BLOCK_Q=4))
+DECODE = dict(COMMON, k_ptr=P16, v_ptr=P16, slot_ptr="*i64", cos_ptr=P16, sin_ptr=P16,
+    counter_ptr=P32, part_ml_ptr="*fp32", part_acc_ptr="*fp32", **STRIDES, stride_kt=I32,
+    stride_kh=I32, stride_vt=I32, stride_vh=I32, stride_ct=I32, stride_st=I32)
+for rotary, splits in ((False, 1), (True, 1), (True, 16)):
+    CASES[f"attention decode=True rotary={rotary} splits={splits}"] = (
+        attention_decode._decode_attention_kernel, DECODE,
+        dict(TILE, ROTARY=rotary, SPLITS=splits))
 GEMV = dict(x_ptr=P16, w_ptr=P16, bias_ptr=P16, out_ptr=P16, res_ptr=P16, res_out_ptr=P16,
     norm_w_ptr=P16, eps="fp32", N=I32, K=I32, stride_w=I32)
 for one_pass, gated, per_sm in ((True, False, 0), (True, True, 0), (True, True, 4),
