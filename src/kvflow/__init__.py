@@ -10,9 +10,8 @@ import os
 
 # Between two parallel regions torch's OpenMP threads (libgomp) spin for a while, then sleep.
 # A step runs ~200 regions, so each one that finds the other thread asleep waits for a
-# wake-up: with sleeping waits (OMP_WAIT_POLICY=PASSIVE, our default until 2026-11-30) a decode
-# step in the server took 22 ms against 13 ms with spinning (benchmarks/RESULTS.md). A bounded
-# spin (about half a millisecond) keeps that, and an idle engine's threads still go to sleep.
+# wake-up, which makes a decode step far slower than with spinning (benchmarks/RESULTS.md). A
+# bounded spin (about half a millisecond) avoids that, and an idle engine's threads still sleep.
 # libgomp reads this when torch first loads, so it is set here; the environment's value wins.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")

@@ -10,6 +10,7 @@ A second signal exits at once. No child process survives, and the pid is gone.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -42,6 +43,7 @@ LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
 HI = [{"role": "user", "content": "Hi"}]
 CHAT = {"model": MODEL, "messages": HI, "max_tokens": 500, "ignore_eos": True}
 Client = Callable[[ServerProcess, threading.Event], str]
+API_LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
 
 
 def openai_stream(server: ServerProcess, started: threading.Event) -> str:
@@ -202,6 +204,7 @@ def test_drain_refuses_new_at_once_finishes_in_flight_then_exits_0() -> None:
     assert plain["value"].json()["usage"]["completion_tokens"] == 24
     assert stream["value"] == "finish_reason length"
     assert code == 0 and after_answer < EXIT_BOUND_S
+    assert answered - sent < 60
     assert not alive(server.pid) and not [c for c in children if alive(c)]
 
 
@@ -219,3 +222,62 @@ def test_second_signal_exits_at_once() -> None:
     print(f"  second signal: exit {code} in {exited * 1000:.0f} ms")
     assert code == 128 + signal.SIGTERM and exited < 1.0
     assert not alive(server.pid)
+
+
+def stream_lines(server: ServerProcess, body: dict, headers: dict) -> list[str]:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        return [line for line in resp.iter_lines() if line]
+
+
+def check_api_key(server: ServerProcess, auth: dict) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        resp = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10)
+        assert resp.status_code == 401
+        assert resp.json()["error"]["code"] == 401
+        assert resp.json()["error"]["type"] == "AuthenticationError"
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert bad.status_code == 401
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
+    out = server.client(api_key="sekret").completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2
+    )
+    assert out.usage.completion_tokens == 2
+    assert httpx.get(f"{server.url}/v1/models", headers=auth, timeout=10).status_code == 200
+
+
+def test_api_key_then_sigterm_aborts_in_flight_and_exits_0() -> None:
+    """--api-key guards the API (not /health, /metrics); SIGTERM then answers the authorised
+    clients in flight with 503s (a stream's error event, then [DONE])."""
+    server = start([*FLAGS, "--api-key", "sekret"])
+    auth = {"Authorization": "Bearer sekret"}
+    try:
+        check_api_key(server, auth)
+        streamer, streamed = in_background(
+            lambda: stream_lines(server, {**API_LONG, "stream": True}, auth)
+        )
+        poster, posted = in_background(
+            lambda: httpx.post(
+                f"{server.url}/v1/completions", json=API_LONG, headers=auth, timeout=60
+            )
+        )
+        wait_for(lambda: server.gauge("vllm:num_requests_running") == 2, timeout=30)
+        sent = server.signal(signal.SIGTERM)
+        code = server.wait_exit(timeout=15)
+        exited = time.monotonic() - sent
+        streamer.join(10)
+        poster.join(10)
+    finally:
+        server.kill()
+    assert code == 0 and exited < 3.0, f"exit {code} after {exited:.2f}s"
+    lines = streamed["value"]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: ") :])["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"]
+    resp = posted["value"]
+    assert resp.status_code == 503
+    assert resp.json()["error"]["type"] == "ServiceUnavailableError"
+    assert "Traceback" not in server.log()

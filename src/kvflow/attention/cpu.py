@@ -4,8 +4,8 @@
   `kernels.cpu.attention.paged_attention` writes the step's K/V and attends each token over its request's
   context where it lies in the paged cache, whatever the step mixes (new prompts, later chunks,
   prefix hits, decode tokens). The reference gathers every context into a padded copy and pads
-  every request's queries to the longest: a step of 16 decodes and 16 new 128-token prompts
-  took 1.2 s that way against 0.6 s (benchmarks/RESULTS.md).
+  every request's queries to the longest, about twice the time for a mixed step
+  (benchmarks/RESULTS.md).
 - Otherwise, steps of new prompts only (every request starts at position 0): a request's context
   is exactly its own scheduled tokens, so the reference's SDPA runs on the step's q/k/v without
   gathering them back from the cache (and, for prompts of one length, without padding or mask).

@@ -23,8 +23,7 @@ def native_linear_max_rows() -> int:
     """Up to how many rows the native kernel beats oneDNN's packed matmul on this CPU, measured
     once per process on a [1536, 576] weight (a small model's MLP): rows double from 16 while the
     native kernel stays ahead (best of 3 runs each). Always at least 8, where reading the weight
-    once is what counts. Crossovers seen: 8 rows on an AVX-512 EPYC, 128 with AMX tiles, 512 on
-    a Zen 5 EPYC, whose oneDNN matmul is no faster even at 2,048 (benchmarks/RESULTS.md)."""
+    once is what counts; the crossover differs by CPU (benchmarks/RESULTS.md)."""
     if not native_available():
         return 0
     weight = torch.randn(1536, 576, dtype=torch.bfloat16)
@@ -54,10 +53,9 @@ def native_linear_max_rows() -> int:
 def norm_fusion_pays() -> bool:
     """Whether `rms_norm_gemv` (the norm made inside the projection) is worth timing against
     the norm's own kernel then the projection: not with PDL. There the norm's kernel starts
-    while the kernel before it ends, and the projection after it loads its weights meanwhile;
-    in the H200's decode graph (benchmarks/RESULTS.md 2026-12-01 00:50) the separate norm and
-    qkv took 4.9 us against 5.9 for the fused kernel, and gate_up with the norm inside 21.3
-    against 16.5 without it, which the one-launch timing `gemv_wins` uses could not see."""
+    while the kernel before it ends, and the projection after it loads its weights meanwhile,
+    which the one-launch timing `gemv_wins` uses cannot see (benchmarks/RESULTS.md, "One-row
+    projections")."""
     from kvflow.kernels.triton.pdl import pdl_args  # triton: CUDA installs only
 
     return not pdl_args()["PDL"]
@@ -94,6 +92,8 @@ def gemv_wins(
             logger.warning("one-row %s %s: timing failed (%r); cuBLAS it is", what, key[1:3], exc)
             times = (float("inf"), 0.0)
         _GEMV_TIMES[key] = times
+        winner = "Triton's one-row kernel" if times[0] < times[1] else "cuBLAS"
+        logger.info("one-row %s %s: %s (%.1f us against %.1f us)", what, key[1:3], winner, *times)
     return times[0] < times[1]
 
 

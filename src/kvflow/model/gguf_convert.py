@@ -64,9 +64,9 @@ _SOURCE = "kvflow-source.json"  # which GGUF (path, size and mtime) a cache dire
 
 def _prune_unreachable(root: Path) -> None:
     """Remove the conversions no lookup can reach again: their GGUF is gone (its virtualenv
-    deleted) or changed (a reinstall gives it a new mtime, hence a new key). Each reinstall
-    used to leave its 0.5 GB conversion of the default model behind. Directories without a
-    source record (written before there was one) and those being converted are left alone."""
+    deleted) or changed (a reinstall gives it a new mtime, hence a new key), so reinstalls do not
+    pile up 0.5 GB conversions of the default model. Directories without a source record and
+    those being converted are left alone."""
     for entry in root.iterdir():
         record = entry / _SOURCE
         if entry.name.startswith(".") or not record.is_file():

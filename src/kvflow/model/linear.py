@@ -108,7 +108,25 @@ def prepack_for_cpu(model: nn.Module) -> int:
         model.head_packed = pack_weight(head)
         model.head_native = pack_linear_weight(head)
         count += model.head_packed is not None
+    log_linear_paths(model)
     return count
+
+
+def log_linear_paths(model: nn.Module) -> None:
+    """One log line per weight shape of the CPU model's Linear layers: the kernel `linear`
+    takes for it by rows (on CUDA, `tuning.gemv_wins` logs each one-row choice as it times it)."""
+    shapes: dict[tuple[int, int], tuple[bool, bool]] = {}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            key = (module.out_features, module.in_features)
+            shapes.setdefault(key, (module.native is not None, module.packed is not None))
+    max_rows = tuning.native_linear_max_rows() if any(n for n, _ in shapes.values()) else 0
+    for (out_features, in_features), (native, packed) in sorted(shapes.items()):
+        rest = "oneDNN's packed matmul" if packed else "torch's F.linear"
+        path = f"native kernel up to {max_rows} rows, {rest} above" if native else rest
+        if native and max_rows >= 1 << 30:  # no oneDNN packing to hand over to
+            path = "native kernel"
+        logger.info("linear %d -> %d: %s", in_features, out_features, path)
 
 
 def _release_weight(module: Linear) -> None:

@@ -110,8 +110,11 @@ class ServerMetrics:
         return h.labels(*self._values)
 
     def _histograms(self, max_model_len: int) -> None:
+        self._latency_histograms()
+        self._request_histograms(build_1_2_5_buckets(max_model_len))
+
+    def _latency_histograms(self) -> None:
         histogram = self._histogram
-        token_buckets = build_1_2_5_buckets(max_model_len)
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
@@ -137,14 +140,6 @@ class ServerMetrics:
             "Histogram of time spent in WAITING phase for request.",
             _REQUEST_LATENCY_BUCKETS,
         )
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
-        )
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens",
-            "Number of generation tokens processed.",
-            token_buckets,
-        )
         phases = {  # vLLM's names for a finished request's intervals
             "prefill": "Histogram of time spent in PREFILL phase for request.",
             "decode": "Histogram of time spent in DECODE phase for request.",
@@ -158,6 +153,17 @@ class ServerMetrics:
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
             _ITL_BUCKETS,
+        )
+
+    def _request_histograms(self, token_buckets: list[int]) -> None:
+        histogram = self._histogram
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
         )
         self.params_n = histogram(
             "vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]

@@ -184,9 +184,43 @@ def build_engine(cls, args, log_steps: bool):
     hf_config = load_config(path)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
+    model, hf_config, cache, max_model_len = _model_and_pool(
+        args, path, hf_config, dtype, device, batched
+    )
+    scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
+    eos = tokenizer.eos_token_id
+    runner = _runner(args, model, hf_config, dtype, device, cache, max_model_len, eos)
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d servable tokens; max_model_len %d; dtype %s; device %s",
+        cache.num_blocks,
+        args.block_size,
+        cache.servable_tokens,
+        max_model_len,
+        str(dtype).removeprefix("torch."),
+        device,
+    )
+    return cls(
+        EngineConfig(cache, scheduler),
+        runner,
+        tokenizer,
+        args.served_model_name or (args.model or "SmolLM2-135M-Instruct"),
+        eos,
+        dtype_name=str(dtype).removeprefix("torch."),
+        device=device,
+        log_steps=log_steps,
+        generation_eos_ids=generation_eos_ids(path),
+        async_scheduling=(
+            device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        ),
+    )
+
+
+def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str, batched: int):
+    """(model, its config, the KV pool's CacheConfig, max_model_len): on a device whose pool
+    gets what the weights and one step leave, the model is loaded and a step profiled first."""
     backend = attention_backend(device)
     model = step_bytes = None
-    if needs_profile(args, device):  # the KV pool gets what the weights and one step leave
+    if needs_profile(args, device):
         model, hf_config = load_model(path, dtype, device, attn_backend=backend)
         step_bytes = profile_step(
             model, hf_config, batched, args.max_num_seqs, args.block_size, dtype
@@ -198,51 +232,33 @@ def build_engine(cls, args, log_steps: bool):
     faults = FaultPlan.from_env()  # None unless a test sets $KVFLOW_FAULT
     if faults is not None:
         max_model_len = faults.max_model_len(max_model_len)
-    scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
     if model is None:
         model, hf_config = load_model(path, dtype, device, attn_backend=backend)
+    return model, hf_config, cache, max_model_len
+
+
+def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: int, eos):
+    """The ModelRunner over `model` with its KV tensors (and on CUDA its decode graphs); on the
+    CPU the weights are packed first and the native kernels built (not on the first request)."""
     if device == "cpu":
         prepack_for_cpu(model)
-        native = native_available()  # builds them now, not on the first request
+        native = native_available()
         logger.info("native CPU kernels: %s", "on" if native else "off (torch paths)")
-    kv_caches = allocate_kv_caches(hf_config, num_blocks, args.block_size, dtype, device)
+    kv_caches = allocate_kv_caches(hf_config, cache.num_blocks, args.block_size, dtype, device)
     graphs = None
     if device.startswith("cuda") and not args.enforce_eager:
         graphs = DecodeGraphs(
             model, kv_caches, args.block_size, max_model_len, args.max_num_seqs, device
         )
         graphs.capture()
-    eos = tokenizer.eos_token_id
     runner = ModelRunner(
         model, kv_caches, args.block_size, hf_config.vocab_size, eos, device, graphs
     )
+    faults = FaultPlan.from_env()
     if faults is not None:
         logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
         runner = faults.wrap(runner)
-    name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
-    logger.info(
-        "KV cache: %d blocks x %d tokens = %d servable tokens; max_model_len %d; dtype %s; device %s",
-        num_blocks,
-        args.block_size,
-        cache.servable_tokens,
-        max_model_len,
-        str(dtype).removeprefix("torch."),
-        device,
-    )
-    return cls(
-        EngineConfig(cache, scheduler),
-        runner,
-        tokenizer,
-        name,
-        eos,
-        dtype_name=str(dtype).removeprefix("torch."),
-        device=device,
-        log_steps=log_steps,
-        generation_eos_ids=generation_eos_ids(path),
-        async_scheduling=(
-            device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
-        ),
-    )
+    return runner
 
 
 def generation_eos_ids(path: Path) -> frozenset[int]:

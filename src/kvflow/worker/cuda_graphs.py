@@ -37,8 +37,7 @@ A graph holds the whole step up to the sampler: the forward, the logits head (fl
 of every row) and `sampler.raw_argmax` of them (greedy tokens and bad-row flags). An all-greedy
 batch without penalties samples exactly those, so its step launches one graph and one copy of
 the ids; any other batch samples from the graph's logits. Launched after the graph, the head
-and the argmax took the host 230-260 us a step (three Triton launches and the Python around
-them; profiled batch-1 steps on an H200, benchmarks/RESULTS.md 2026-12-01 03:40).
+and the argmax would cost the host three Triton launches and the Python around them a step.
 
 On CUDA (`capture` left True) `capture()` warms each bucket up and captures one graph per bucket,
 largest first, into one shared memory pool; `run()` replays. With `capture=False` (and always on

@@ -45,6 +45,27 @@ class CachedRequestState:
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprobs were computed
 
 
+@dataclass(slots=True)
+class _StepInputs:
+    """One step's inputs, gathered from the rows (b: the b-th scheduled request)."""
+
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    index: np.ndarray  # b -> its row
+    q_lens: np.ndarray
+    computed: np.ndarray
+    ends: np.ndarray  # computed + q_lens
+    positions: np.ndarray  # every scheduled token's
+    input_ids: np.ndarray  # (placeholders for ids still on the device)
+    feed: tuple[np.ndarray, np.ndarray] | None  # see `_feed_from_device`
+    num_blocks: np.ndarray
+    table: np.ndarray
+    sample_rows: np.ndarray  # the b that sample
+    sample_ids: list[str]
+    sample_states: list[CachedRequestState]
+    decode_only: bool
+
+
 @dataclass(frozen=True)
 class _Sampled:
     """A launched step's sampled ids, on the device until its wait reads them. Element i is
@@ -137,7 +158,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch(self, sched: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """The step's named parts: the runner's copy of the requests updated, the inputs
+        gathered from the rows, the sampler's inputs queued, the forward, then the sampler."""
         self._update_states(sched)
+        step = self._gather_inputs(sched)
+        # Every host -> device copy goes through `to_device`, which queues instead of waiting
+        # for the stream, so the sampler's inputs are queued before the forward at no stall.
+        logit_rows, sampling = self._sampling_inputs(step)
+        hidden, logits, raw = self._forward(step)
+        self.rows.num_computed[step.index] = step.ends
+        prompt_logprobs = {}
+        if self._prompt_logprobs_due:
+            prompt_logprobs = self._prompt_logprobs(
+                step.req_ids, step.index, step.q_lens, step.computed, hidden
+            )
+        if not step.sample_ids:
+            self._in_flight = None
+            return lambda: ModelRunnerOutput({}, prompt_logprobs=self._live(prompt_logprobs))
+        if logits is None:
+            logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
+        return self._sample(
+            logits, step.sample_ids, step.sample_states, sampling, prompt_logprobs, raw=raw
+        )
+
+    def _gather_inputs(self, sched: SchedulerOutput) -> _StepInputs:
+        """The scheduled requests' ids, positions and block tables from their rows; which rows
+        sample (those that complete their request's tokens, a placeholder included)."""
         req_ids = list(sched.num_scheduled_tokens)
         num_reqs, rows = len(req_ids), self.rows
         states = [self.requests[r] for r in req_ids]
@@ -147,49 +193,56 @@ class ModelRunner:
         ends = computed + q_lens
         positions = token_positions(q_lens, computed)
         input_ids = rows.input_ids(index, q_lens, positions)
-        feed = self._feed_from_device(index)
         num_blocks = rows.num_blocks[index]
         table = rows.block_table[index, : max(int(num_blocks.max()), 1)]
-        # Rows that complete their request's tokens (a placeholder included) produce the next
-        # token. Every host -> device copy goes through `to_device`, which queues instead of
-        # waiting for the stream, so the order of copies and kernels below costs no stall.
         sample_rows = np.flatnonzero(ends == rows.num_tokens[index])
-        decode_only = len(sample_rows) == num_reqs == len(input_ids)  # each request's newest
         sample_ids, sample_states = req_ids, states
         if len(sample_rows) < num_reqs:
             sample_ids = [req_ids[i] for i in sample_rows.tolist()]
             sample_states = [states[i] for i in sample_rows.tolist()]
-        logit_rows = None  # every token's row is sampled (decode steps): no gather needed
-        if sample_ids:
-            if not decode_only:
-                logit_rows = to_device(q_lens.cumsum()[sample_rows] - 1, torch.int64, self.device)
-            sampling = self._sampling_metadata(sample_states, index, sample_rows, feed)
-        # the input that is still on the device is each such request's last token
+        return _StepInputs(
+            req_ids, states, index, q_lens, computed, ends, positions, input_ids,
+            self._feed_from_device(index), num_blocks, table, sample_rows, sample_ids,
+            sample_states,
+            decode_only=len(sample_rows) == num_reqs == len(input_ids),  # each one's newest
+        )  # fmt: skip
+
+    def _sampling_inputs(
+        self, step: _StepInputs
+    ) -> tuple[torch.Tensor | None, SamplingMetadata | None]:
+        """(the hidden rows whose logits are sampled, None: every row, as in a decode step;
+        the sampler's metadata), None for a step that samples nothing."""
+        if not step.sample_ids:
+            return None, None
+        logit_rows = None
+        if not step.decode_only:
+            at = step.q_lens.cumsum()[step.sample_rows] - 1
+            logit_rows = to_device(at, torch.int64, self.device)
+        sampling = self._sampling_metadata(
+            step.sample_states, step.index, step.sample_rows, step.feed
+        )
+        return logit_rows, sampling
+
+    def _forward(
+        self, step: _StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RawArgmax | None]:
+        """(hidden states, logits and greedy argmax where the decode graph made them): through
+        the decode graphs for a decode-only step that fits them, else one eager forward. The
+        newest token of a request the in-flight step is still sampling is copied in on the
+        device."""
+        feed, q_lens = step.feed, step.q_lens
         fill_ids = None if feed is None else (lambda ids: self._copy_fed(ids, feed, q_lens))
         graphs = self.decode_graphs
-        logits = raw = None  # made by the decode graph, else below
-        if graphs is not None and decode_only and graphs.fits(num_reqs):
-            hidden, logits, raw = graphs.run(input_ids, computed, table, num_blocks, fill_ids)
-        else:
-            meta = AttentionMetadata.from_table(
-                q_lens, computed, table, num_blocks, self.block_size, self.device
-            )
-            ids = to_device(input_ids, torch.int64, self.device)
-            if fill_ids is not None:
-                fill_ids(ids)
-            hidden = self.model(
-                ids, to_device(positions, torch.int64, self.device), self.kv_caches, meta
-            )
-        rows.num_computed[index] = ends
-        prompt_logprobs = {}
-        if self._prompt_logprobs_due:
-            prompt_logprobs = self._prompt_logprobs(req_ids, index, q_lens, computed, hidden)
-        if not sample_ids:
-            self._in_flight = None
-            return lambda: ModelRunnerOutput({}, prompt_logprobs=self._live(prompt_logprobs))
-        if logits is None:
-            logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        return self._sample(logits, sample_ids, sample_states, sampling, prompt_logprobs, raw=raw)
+        if graphs is not None and step.decode_only and graphs.fits(len(step.req_ids)):
+            return graphs.run(step.input_ids, step.computed, step.table, step.num_blocks, fill_ids)
+        meta = AttentionMetadata.from_table(
+            q_lens, step.computed, step.table, step.num_blocks, self.block_size, self.device
+        )
+        ids = to_device(step.input_ids, torch.int64, self.device)
+        if fill_ids is not None:
+            fill_ids(ids)
+        positions = to_device(step.positions, torch.int64, self.device)
+        return self.model(ids, positions, self.kv_caches, meta), None, None
 
     def _prompt_logprobs(
         self,
@@ -239,20 +292,7 @@ class ModelRunner:
                 strict=True,
             ):
                 acc.extend(part.tolist())
-        out, i = {}, 0
-        for req_id, state, first, end in spans:
-            n = state.params.prompt_logprobs
-            out[req_id] = (
-                state,
-                [
-                    TokenLogprobs(
-                        int(token_ids[j]), own[j], rank[j], top_ids[j][:n], top_lps[j][:n]
-                    )
-                    for j in range(i, i + end - first)
-                ],
-            )
-            i += end - first
-        return out
+        return _per_request(spans, token_ids, own, rank, top_ids, top_lps)
 
     def _live(
         self, prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]]
@@ -364,3 +404,27 @@ class ModelRunner:
             if row_logprobs is not None and row_logprobs[i] is not None:
                 logprobs[req_id] = [row_logprobs[i]]
         return ModelRunnerOutput(sampled, logprobs, self._live(prompt_logprobs), failed)
+
+
+def _per_request(
+    spans: list[tuple[str, CachedRequestState, int, int]],
+    token_ids: np.ndarray,
+    own: list,
+    rank: list,
+    top_ids: list,
+    top_lps: list,
+) -> dict[str, tuple[CachedRequestState, list[TokenLogprobs]]]:
+    """The prompt logprobs of consecutive positions, cut back into each span's request (its
+    `prompt_logprobs` top entries each)."""
+    out, i = {}, 0
+    for req_id, state, first, end in spans:
+        n = state.params.prompt_logprobs
+        out[req_id] = (
+            state,
+            [
+                TokenLogprobs(int(token_ids[j]), own[j], rank[j], top_ids[j][:n], top_lps[j][:n])
+                for j in range(i, i + end - first)
+            ],
+        )
+        i += end - first
+    return out

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
+
 from kvflow.kernels.triton.pdl import pdl_args, pdl_start
 
 # A decode step's sampler reduces each row of float32 logits to its argmax, and flags rows whose

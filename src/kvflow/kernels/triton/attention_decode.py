@@ -21,9 +21,10 @@ without SPLITS the counter and partial pointers, are never read.
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from kvflow.kernels.triton.attention_common import (
     LOG2E,
     TileShape,
@@ -34,7 +35,15 @@ from kvflow.kernels.triton.attention_common import (
 from kvflow.kernels.triton.attention_merge import merge_partials, publish_partial
 from kvflow.kernels.triton.ops import contiguous_rows, rotate, swapped_halves
 from kvflow.kernels.triton.pdl import pdl_args
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _rows(kv_head, seq_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(rows, their query heads, which rows are real: the one token's heads, their position)."""
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (rows // GROUP_PAD < 1) & (rows % GROUP_PAD < GROUP)
+    return rows, head, row_ok, seq_len - 1 + rows // GROUP_PAD
 
 
 @triton.jit
@@ -58,13 +67,14 @@ def _key_span(seq_len, window, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_
 
 @triton.jit
 def _own_token(
-    q, q_ptr, q_rows, io_mask, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+    q_ptr, q_rows, io_mask, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
     slot_ptr, req, kv_head, dims, dim_ok, own, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ct, stride_st, stride_cache_offset, stride_cache_head,
     HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr,
 ):  # fmt: skip
     """(q, the token's k, v) rotated with ROTARY; k and v stored at the token's slot where
     `own` (the program with the request's last keys)."""
+    q = tl.load(q_ptr + q_rows + dims[None, :], mask=io_mask, other=0.0)
     k_row = k_ptr + req * stride_kt + kv_head * stride_kh
     k_new = tl.load(k_row + dims, mask=own, other=0.0)
     v_new = tl.load(v_ptr + req * stride_vt + kv_head * stride_vh + dims, mask=own, other=0.0)
@@ -85,6 +95,36 @@ def _own_token(
 
 
 @triton.jit
+def _walk_keys(
+    q, k, v, k_new, v_new, seq_len, q_pos, key_start, key_end, cached_end, window, qk_scale,
+    k_cache_ptr, v_cache_ptr, table_row, kv_head, dims, dim_ok,
+    stride_cache_block, stride_cache_offset, stride_cache_head,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """(max, sum, unnormalised output) over keys key_start .. key_end - 1, BLOCK_N at a time
+    (k, v: the first tile, read already), the token's own key and value (k_new, v_new) at its
+    position instead of the cache's."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for n_start in range(key_start, key_end, BLOCK_N):  # k, v: this tile's keys, read before
+        k_pos = n_start + tl.arange(0, BLOCK_N)
+        is_new = (k_pos == seq_len - 1)[:, None]  # the token's own key and value
+        k = tl.where(is_new, k_new[None, :], k)
+        v = tl.where(is_new, v_new[None, :], v)
+        m_i, l_i, acc = attend_tile(
+            q, k, v, k_pos, q_pos, key_end, window, qk_scale, m_i, l_i, acc, HAS_WINDOW
+        )
+        k, v = kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, n_start + BLOCK_N, cached_end, kv_head, dims,
+            dim_ok, stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_N,
+            BLOCK_SIZE,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     k_ptr, v_ptr, slot_ptr, cos_ptr, sin_ptr, counter_ptr, part_ml_ptr, part_acc_ptr,
@@ -102,10 +142,7 @@ def _decode_attention_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    rows = tl.arange(0, BLOCK_M)
-    head = kv_head * GROUP + rows % GROUP_PAD
-    row_ok = (rows // GROUP_PAD < 1) & (rows % GROUP_PAD < GROUP)  # the one token's heads
-    q_pos = seq_len - 1 + rows // GROUP_PAD
+    rows, head, row_ok, q_pos = _rows(kv_head, seq_len, GROUP, GROUP_PAD, BLOCK_M)
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
     key_start, key_end, active, split = _key_span(seq_len, window, BLOCK_N, SPLITS, HAS_WINDOW)
@@ -121,42 +158,30 @@ def _decode_attention_kernel(
         return
     q_rows = (req + rows // GROUP_PAD)[:, None] * stride_qt + head[:, None] * stride_qh
     io_mask = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(q_ptr + q_rows + dims[None, :], mask=io_mask, other=0.0)
     q, k_new, v_new = _own_token(
-        q, q_ptr, q_rows, io_mask, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+        q_ptr, q_rows, io_mask, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
         slot_ptr, req, kv_head, dims, dim_ok, dim_ok & (key_end == seq_len), stride_kt,
         stride_kh, stride_vt, stride_vh, stride_ct, stride_st, stride_cache_offset,
         stride_cache_head, HEAD_DIM, ROTARY,
     )  # fmt: skip
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for n_start in range(key_start, key_end, BLOCK_N):  # k, v: this tile's keys, read before
-        k_pos = n_start + tl.arange(0, BLOCK_N)
-        is_new = (k_pos == seq_len - 1)[:, None]  # the token's own key and value
-        k = tl.where(is_new, k_new[None, :], k)
-        v = tl.where(is_new, v_new[None, :], v)
-        m_i, l_i, acc = attend_tile(
-            q, k, v, k_pos, q_pos, key_end, window, qk_scale, m_i, l_i, acc, HAS_WINDOW
-        )
-        k, v = kv_tile(
-            k_cache_ptr, v_cache_ptr, table_row, n_start + BLOCK_N, cached_end, kv_head, dims,
-            dim_ok, stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_N,
-            BLOCK_SIZE,
-        )  # fmt: skip
+    m_i, l_i, acc = _walk_keys(
+        q, k, v, k_new, v_new, seq_len, q_pos, key_start, key_end, cached_end, window,
+        qk_scale, k_cache_ptr, v_cache_ptr, table_row, kv_head, dims, dim_ok,
+        stride_cache_block, stride_cache_offset, stride_cache_head,
+        BLOCK_M, BLOCK_N, HEAD_PAD, BLOCK_SIZE, HAS_WINDOW,
+    )  # fmt: skip
     tile_offsets = rows[:, None] * HEAD_PAD + dims[None, :]
     if SPLITS > 1 and active > 1:  # the partial out; the last program to count merges
-        pair = req * tl.num_programs(1) + kv_head
-        first = pair * SPLITS  # this pair's first partial
+        pair = req * tl.num_programs(1) + kv_head  # its partials: pair * SPLITS ..
         last = publish_partial(
-            part_ml_ptr, part_acc_ptr, counter_ptr + pair, first + split, m_i, l_i, acc, rows,
-            tile_offsets, active, BLOCK_M, HEAD_PAD,
+            part_ml_ptr, part_acc_ptr, counter_ptr + pair, pair * SPLITS + split, m_i, l_i,
+            acc, rows, tile_offsets, active, BLOCK_M, HEAD_PAD,
         )  # fmt: skip
         if not last:
             return
         m_i, l_i, acc = merge_partials(
-            part_ml_ptr, part_acc_ptr, counter_ptr + pair, first, active, rows, tile_offsets,
-            BLOCK_M, HEAD_PAD,
+            part_ml_ptr, part_acc_ptr, counter_ptr + pair, pair * SPLITS, active, rows,
+            tile_offsets, BLOCK_M, HEAD_PAD,
         )  # fmt: skip
     o_offsets = (req + rows // GROUP_PAD)[:, None] * stride_ot + head[:, None] * stride_oh
     store_rows(out_ptr, acc, l_i, o_offsets + dims[None, :], io_mask)

@@ -19,9 +19,9 @@ Under PDL it waits first thing: `write_kv` has just stored the keys it reads.
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
+
 from kvflow.kernels.triton.attention_common import (
     LOG2E,
     TileShape,

@@ -4,49 +4,43 @@ with the norm made inside; `kernels.tuning.gemv_wins` decides per shape where th
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from kvflow.kernels.triton.device import INTERPRETED, sm_count
 from kvflow.kernels.triton.ops import rms_norm, silu_mul  # noqa: F401 (OneRowOps)
 from kvflow.kernels.triton.pdl import pdl_args
 from kvflow.kernels.tuning import graph_us
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # ---- one-row linear ----------------------------------------------------------------------------
 # A decode step at batch 1 multiplies one activation row by every weight matrix: pure weight
-# reads. cuBLAS launches 32-128 CTAs for such a row on a 132-SM H200 and reads qkv at 2.1 TB/s,
-# o_proj at 1.5 TB/s, down at 2.6 (measured, benchmarks/RESULTS.md 2026-11-30 21:35); the copy
-# bandwidth is 4.2. Here each program owns BLOCK_N output features (N / BLOCK_N programs) and
-# loads their rows whole (BLOCK_K = K rounded up to a power of two, up to 8192 columns a pass),
-# so all of a program's loads are in flight at once; BLOCK_N and the warps are tuned per shape
-# among the tiles of at most 64 elements per thread. On the card (RESULTS.md 2026-11-30 22:45)
-# it beat cuBLAS on every projection of the 1B shape, at 1.6 (o_proj) to 4.3 TB/s (logits);
-# the small ones are bound by a kernel's fixed latency. (A first version walked K in 512-column
-# tiles, waiting on each: 1.7 TB/s on o_proj, and slower than cuBLAS on the other three.)
+# reads, which cuBLAS spreads over too few CTAs to reach the card's bandwidth. Here each program
+# owns BLOCK_N output features (N / BLOCK_N programs) and loads their rows whole (BLOCK_K = K
+# rounded up to a power of two, up to 8192 columns a pass), so all of a program's loads are in
+# flight at once; BLOCK_N and the warps are tuned per shape among the tiles of at most 64
+# elements per thread. Loading whole rows, not K tiles waited on one by one, is what makes it
+# beat cuBLAS (figures: benchmarks/RESULTS.md, "One-row projections").
 #
 # With NORM the input row is made on the fly: rms_norm(x + residual) * norm weight, rounded as
 # `rms_norm` rounds. Every program first sums the squares over the whole row, and program 0
 # stores x + residual (to a new buffer: the others are still reading the old one). That saves
-# the norm's own kernel (2.4 us with its gap in a graph) but each program redoes the norm, so
-# whether it pays is timed per shape like the rest (`gemv_wins`), and only without PDL
-# (`norm_fusion_pays`). (silu(gate) * up made the same way before down was tried and dropped:
-# redone per program in float64, down took 45 us, not 13.)
+# the norm's own kernel but each program redoes the norm, so whether it pays is timed per shape
+# like the rest (`gemv_wins`), and only without PDL (`norm_fusion_pays`). silu(gate) * up is not
+# made this way for down: redone per program in float64 it costs more than its kernel.
 #
 # With GATED the weight is gate | up [2I, K] and the output silu(gate) * up [1, I], in the
 # epilogue: a program takes gate rows n and up rows I + n, rounds both as the projection's
 # output is rounded, then applies `silu_mul`'s rounding. Nothing is redone per program; it
-# saves the silu kernel (3.0 us a layer in the 1B's graph) and the write and read of gate | up.
+# saves the silu kernel and the write and read of gate | up.
 #
 # PER_SM (tuned like the tile): 0 gives each program one tile of BLOCK_N rows, N / BLOCK_N
 # programs. PER_SM > 0 launches that many programs per SM, each walking the row tiles pid,
 # pid + programs, ... and loading its next tile's rows before it reduces the current one (two
 # tiles in registers), so its loads never stop, and a NORM program makes its input row once, not
-# once per tile. Only where K fits one pass (K <= 8192); beyond, one tile per program. On the
-# H200 (benchmarks/RESULTS.md 2026-12-01 00:50) the tuner took walking programs for the small
-# projections and the norm-fused ones, one-tile programs for gate_up, down and the logits; a
-# first version also ran one-tile programs through the walking loop, whose masked next-tile
-# load cost them registers (down 9.3 -> 10.0 us in the graph), hence the two paths.
+# once per tile. Only where K fits one pass (K <= 8192); beyond, one tile per program. One-tile
+# programs take their own path: through the walking loop, the masked next-tile load would cost
+# them registers.
 
 _MAX_BLOCK_K = 8192
 _GEMV_CONFIGS = [
@@ -186,11 +180,10 @@ def _gemv_kernel(
 
 
 # Tiles compared by device time as a decode graph sees it (`graph_us`): timed one launch at a
-# time (Triton's default), the ~40 us Python launch hid the kernel and the card's first tuning
-# picked at random. (The tuner takes the minimum of what this returns, so three equal values.)
-# The timings are kept in Triton's cache on disk (per Triton version, GPU architecture, kernel
-# source, shape and config list): tuning every tile of a 1B model's shapes took most of a
-# CUDA engine's start (15 s on the H200, 2026-12-01), and a restart reads them back.
+# time (Triton's default), the Python launch hides the kernel. (The tuner takes the minimum of
+# what this returns, so three equal values.) The timings are kept in Triton's cache on disk (per
+# Triton version, GPU architecture, kernel source, shape and config list): tuning every tile of
+# a model's shapes is most of a CUDA engine's first start, and a restart reads them back.
 _gemv_tuned = triton.autotune(
     _GEMV_CONFIGS,
     key=["N", "K", "NORM", "GATED"],

@@ -5,9 +5,9 @@ attention kernel instead."""
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
+
 from kvflow.kernels.triton.ops import contiguous_rows, rotate, swapped_halves
 from kvflow.kernels.triton.pdl import pdl_args, pdl_start
 

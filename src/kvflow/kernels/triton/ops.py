@@ -20,9 +20,9 @@ Triton's interpreter on the CPU.
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
+
 from kvflow.kernels.triton.pdl import pdl_args, pdl_start
 
 

@@ -7,11 +7,11 @@ import logging
 import os
 
 import torch
-
 import triton
 import triton.language as tl
-from kvflow.kernels.triton.device import INTERPRETED
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvflow.kernels.triton.device import INTERPRETED
 
 # In a decode graph each kernel normally starts only once the one before it has ended and its
 # writes are flushed: at batch 1, where a step is ~110 kernels of 1-20 us, that launch and the
@@ -24,9 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # nothing. The one-row projections load their weight rows there, so a projection's weight stream
 # starts while the kernel before it is still running; a decode's attention reads its metadata
 # and the keys of earlier steps there (see triton_attn); the other kernels wait first thing and
-# save their launch latency only. On an H200 (benchmarks/RESULTS.md
-# 2026-12-01) the batch-1 decode graph of the Llama-3.2-1B shape went 0.789 -> 0.758 ms with
-# it, SmolLM2's (30 thin layers) 0.629 -> 0.483 ms.
+# save their launch latency only (what it saves: benchmarks/RESULTS.md, "PDL").
 #
 # `gdc_*` are no-ops when a kernel is launched without PDL; the PDL flag (a constexpr) leaves
 # them out of the kernel altogether where PDL is off (before sm_90, under the interpreter, or

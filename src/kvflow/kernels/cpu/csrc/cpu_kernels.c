@@ -5,7 +5,7 @@
  *   kvflow_paged_attention  any step's tokens (prompts, chunks, decodes) over a paged KV cache
  *
  * Both accumulate in float32. bf16 -> float32 is exact (a 16-bit shift); results are rounded to
- * nearest even. Built at run time by kvflow/model/cpu_kernels.py with the system C compiler
+ * nearest even. Built at run time by kvflow/kernels/cpu/build.py with the system C compiler
  * (-march=native: AVX-512 where the CPU has it, through GCC's vector extensions) and loaded with
  * ctypes; it links the OpenMP runtime torch already loaded, so both share one thread pool.
  */
@@ -104,7 +104,7 @@ static inline v16f vexp(v16f x) {
 }
 
 /* Linear layer, y[M, N] = x[M, K] @ w[N, K]^T (+ bias), on a weight packed once at load time
- * (kvflow/model/cpu_kernels.py `pack_linear_weight`) as [N / NB][K / 2][NB][2]: for each tile of
+ * (kvflow/kernels/cpu/linear.py `pack_linear_weight`) as [N / NB][K / 2][NB][2]: for each tile of
  * NB = 32 output columns, one contiguous run over k in pairs. A tile's MT <= 8 rows of x keep
  * MT x 2 vectors of 16 float32 accumulators (one per output column) in registers; each k pair
  * loads 2 vectors of weights and broadcasts one (x[m, k], x[m, k + 1]) pair per row, so the
