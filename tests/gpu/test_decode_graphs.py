@@ -39,6 +39,7 @@ def loaded(request, tmp_path_factory):
     return load_model(path, torch.float32)
 
 
+@pytest.mark.parametrize("num_reqs", [3, 5, 9])
 def test_padded_decode_equals_plain_forward(loaded, num_reqs) -> None:
     model, hf_config = loaded
     lens = [1, 4, 7, 8, 13, 16, 3, 11, 20][:num_reqs]

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from kvflow.sampling_params import SamplingParams
+from kvflow.worker.greedy import row_argmax
 from kvflow.worker.sampler import (
     SamplingMetadata,
     TokenHistory,
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
-    row_argmax,
     sample,
 )
 
@@ -297,7 +297,7 @@ def test_row_argmax_is_torch_argmax_first_index_on_ties(vocab: int) -> None:
 
 def test_row_argmax_chunks_fewer_as_the_batch_grows() -> None:
     """About 256 rows of work in all: 256 chunks at batch 1, whole rows from batch 129 on."""
-    from kvflow.worker.sampler import _num_chunks
+    from kvflow.worker.greedy import _num_chunks
 
     assert [_num_chunks(128256, b) for b in (1, 2, 8, 64, 129, 256)] == [256, 128, 32, 4, 1, 1]
     assert _num_chunks(65521, 1) == 1 and _num_chunks(1, 1) == 1

@@ -34,7 +34,7 @@ for any context length (the Triton backend reads lengths from `seq_lens` on the 
 not use max_seq_len; the torch reference gathers up to it, which is correct, only slower).
 
 A graph holds the whole step up to the sampler: the forward, the logits head (float32 logits
-of every row) and `sampler.raw_argmax` of them (greedy tokens and bad-row flags). An all-greedy
+of every row) and `greedy.raw_argmax` of them (greedy tokens and bad-row flags). An all-greedy
 batch without penalties samples exactly those, so its step launches one graph and one copy of
 the ids; any other batch samples from the graph's logits. Launched after the graph, the head
 and the argmax would cost the host three Triton launches and the Python around them a step.
@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from kvflow.attention.metadata import AttentionMetadata, pack_block_ids
-from kvflow.worker.sampler import RawArgmax, raw_argmax
+from kvflow.worker.greedy import RawArgmax, raw_argmax
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -82,7 +82,7 @@ def pack_inputs(
 
 class DecodeOutput(NamedTuple):
     """A decode step's rows as a graph leaves them: final hidden states [B, hidden], float32
-    logits [B, V], and `sampler.raw_argmax` of those logits (what an all-greedy batch samples)."""
+    logits [B, V], and `greedy.raw_argmax` of those logits (what an all-greedy batch samples)."""
 
     hidden: torch.Tensor
     logits: torch.Tensor

@@ -20,9 +20,9 @@ from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogpro
 from kvflow.sampling_params import SamplingParams
 from kvflow.transfer import to_device
 from kvflow.worker.cuda_graphs import DecodeGraphs
+from kvflow.worker.greedy import RawArgmax
 from kvflow.worker.input_rows import InputRows
 from kvflow.worker.sampler import (
-    RawArgmax,
     SamplerOutput,
     SamplingMetadata,
     compute_logprobs,

@@ -11,7 +11,7 @@ in one copy) or `.logprobs`. An all-greedy batch without penalties is one chunke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from operator import attrgetter
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch import Tensor
 from kvflow.core.messages import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 from kvflow.transfer import to_device
+from kvflow.worker.greedy import RawArgmax, raw_argmax
 
 _GREEDY_EPS = 1e-5
 # Exponential draws are clamped away from 0 so probs / draw never becomes 0 / 0.
@@ -309,30 +310,15 @@ class SamplerOutput:
         ]
 
 
-# (argmax [B], bad flags [B], both as one int64 [2, B] block or None)
-RawArgmax = tuple[Tensor, Tensor, Tensor | None]
-
-
 def sample(logits: Tensor, meta: SamplingMetadata, raw: RawArgmax | None = None) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (float32); `logits` is not modified. `raw`:
-    `raw_argmax(logits)`, where it was already made (inside a decode graph)."""
+    `raw_argmax(logits)`, where it was already made (inside a decode graph). Three steps: one
+    reduction of the raw logits (bad rows, greedy tokens), the logits processed (bias,
+    penalties, min_tokens) where a row asks, then each row's token, greedy or random."""
     logits = logits.float()
-    # One reduction of the raw logits: the bad rows, and the greedy tokens unless penalised.
     argmax, bad_mask, ids_and_bad = raw_argmax(logits) if raw is None else raw
-    processed = logits
-    if meta.has_penalties or meta.min_tokens_mask is not None or meta.logit_bias is not None:
-        processed = apply_penalties(logits.clone(), meta)
-        ids_and_bad = None  # its argmax row is not the greedy tokens
-        if not meta.all_random:
-            argmax = raw_argmax(processed)[0]
-    if meta.all_greedy:
-        sampled = argmax
-    else:
-        assert meta.temperature is not None
-        sampled = _sample_random(processed, meta)
-        ids_and_bad = None
-        if not meta.all_random:
-            sampled = torch.where(meta.temperature < _GREEDY_EPS, argmax, sampled)
+    processed, argmax, ids_and_bad = _processed(logits, meta, argmax, ids_and_bad)
+    sampled, ids_and_bad = _choose(processed, meta, argmax, ids_and_bad)
     out = SamplerOutput(sampled=sampled, bad_mask=bad_mask, ids_and_bad=ids_and_bad)
     if meta.max_num_logprobs is not None:
         out.logprob_tensors = compute_logprobs(logits, sampled, meta.max_num_logprobs)
@@ -340,45 +326,31 @@ def sample(logits: Tensor, meta: SamplingMetadata, raw: RawArgmax | None = None)
     return out
 
 
-def raw_argmax(logits: Tensor) -> RawArgmax:
-    """The greedy tokens and bad rows (see `SamplerOutput.bad_mask`) of raw float32 logits: on
-    CUDA from two Triton kernels (`kernels.triton.argmax.argmax_rows`, which also lay out the block the
-    host copies), elsewhere from `row_argmax`."""
-    if logits.is_cuda:
-        from kvflow.kernels.triton.argmax import argmax_rows  # triton: CUDA installs only
-
-        ids_and_bad = argmax_rows(logits)
-        return ids_and_bad[0], ids_and_bad[1], ids_and_bad
-    argmax, row_max = row_argmax(logits)
-    # not finite: x - x is NaN for NaN and +-inf
-    return argmax, (row_max - row_max).ne(0), None
-
-
-def row_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """(argmax int64 [B], max [B]) of each row of `logits` [B, V]: the first index holding the
-    row's maximum, as `torch.argmax` gives it (a NaN counts as the maximum and is the maximum).
-
-    One reduction over the [B, C, V / C] view (C: `_num_chunks`), then one over the C chunk
-    maxima, whose first maximum is the first chunk holding the row maximum; its offset in the
-    chunk is that of the row maximum. torch reduces a whole row with one thread block, which at
-    batch 1 cost 28 us for the argmax of 128256 logits on an H200, and 14 us more for the sum
-    that flagged bad rows; here a small batch is cut into about 256 rows, reduced at once.
-    """
-    batch, vocab = logits.shape
-    chunks = _num_chunks(vocab, batch)
-    width = vocab // chunks
-    chunk_max, offsets = logits.reshape(batch, chunks, width).max(dim=-1)
-    row_max, chunk = chunk_max.max(dim=-1)
-    argmax = chunk * width + offsets.gather(1, chunk.unsqueeze(1)).squeeze(1)
-    return argmax, row_max
+def _processed(
+    logits: Tensor, meta: SamplingMetadata, argmax: Tensor, ids_and_bad: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(logits after bias, penalties and min_tokens, their greedy tokens, the raw reduction's
+    block while it still holds the greedy tokens); the logits themselves where no row asks."""
+    if not (meta.has_penalties or meta.min_tokens_mask is not None or meta.logit_bias is not None):
+        return logits, argmax, ids_and_bad
+    processed = apply_penalties(logits.clone(), meta)
+    if not meta.all_random:
+        argmax = raw_argmax(processed)[0]
+    return processed, argmax, None  # the raw block's argmax row is not the greedy tokens
 
 
-@cache
-def _num_chunks(vocab: int, batch: int) -> int:
-    """`row_argmax`'s chunks per row: the largest divisor of `vocab` up to 256 / batch (1 for a
-    prime vocab or from batch 129 on: enough rows already; narrower chunks only cost more)."""
-    most = max(1, min(vocab, 256 // max(batch, 1)))
-    return next(c for c in range(most, 0, -1) if vocab % c == 0)
+def _choose(
+    processed: Tensor, meta: SamplingMetadata, argmax: Tensor, ids_and_bad: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """(each row's token: the argmax for greedy rows, a draw for the others; the raw block,
+    kept only when every row is greedy)."""
+    if meta.all_greedy:
+        return argmax, ids_and_bad
+    assert meta.temperature is not None
+    sampled = _sample_random(processed, meta)
+    if not meta.all_random:
+        sampled = torch.where(meta.temperature < _GREEDY_EPS, argmax, sampled)
+    return sampled, None
 
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
