@@ -90,7 +90,7 @@ def test_structured_outputs_json_regex_choice_on_both_endpoints(
     ]  # fmt: skip
 
     def chat(so: dict, seed: int) -> str:
-        kw = dict(model=MODEL, seed=seed, max_tokens=40, extra_body={"structured_outputs": so})
+        kw = dict(model=MODEL, seed=seed, max_tokens=100, extra_body={"structured_outputs": so})
         messages = [{"role": "user", "content": "Answer."}]
         if not stream:
             out = client.chat.completions.create(messages=messages, **kw)
@@ -99,7 +99,7 @@ def test_structured_outputs_json_regex_choice_on_both_endpoints(
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     def complete(so: dict, seed: int) -> str:
-        kw = dict(model=MODEL, seed=seed, max_tokens=40, extra_body={"structured_outputs": so})
+        kw = dict(model=MODEL, seed=seed, max_tokens=100, extra_body={"structured_outputs": so})
         if not stream:
             return client.completions.create(prompt="Answer:", **kw).choices[0].text
         chunks = client.completions.create(prompt="Answer:", stream=True, **kw)
