@@ -130,6 +130,25 @@ def test_response_format_json_object_and_n_choices(tiny: ServerProc) -> None:
             assert isinstance(json.loads(choice.text), dict), choice.text
 
 
+def test_logprobs_come_from_the_masked_logits(tiny: ServerProc) -> None:
+    """The sampled token of a choice is one of the choice's words, its logprob is finite, and
+    masked alternatives are clamped (JSON has no -inf), never NaN."""
+    out = tiny.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Pick one."}],
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["north", "south"]}},
+    )
+    choice = out.choices[0]
+    assert choice.message.content in ("north", "south")
+    first = choice.logprobs.content[0]
+    assert -9999.0 < first.logprob <= 0.0
+    assert all(-9999.0 <= alt.logprob <= 0.0 for alt in first.top_logprobs)
+    assert first.top_logprobs[0].logprob >= first.top_logprobs[-1].logprob
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
