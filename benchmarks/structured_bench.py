@@ -103,7 +103,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for concurrency in (1, 8):
                 for constrained in (False, True):
-                    prompts = args.prompts if concurrency > 1 else max(4, args.prompts // 4)
+                    prompts = args.prompts if concurrency > 1 else max(2, args.prompts // 4)
                     r = load(server.url, concurrency, constrained, prompts, args.output_len)
                     key = f"c{concurrency}-{'schema' if constrained else 'free'}"
                     runs.setdefault(key, []).append(r)

@@ -89,17 +89,7 @@ class ServerMetrics:
             "kvflow:stuck_requests_failed",
             "Requests failed because they could never be scheduled (a broken invariant).",
         )
-        self.grammar_failed = counter(
-            "kvflow:structured_output_requests_failed",
-            "Requests failed by their output constraint: it did not compile, or it allowed no "
-            "next token.",
-        )
-        self.grammar_compile = self._histogram(
-            "kvflow:structured_output_compile_seconds",
-            "Per constrained request: seconds from admission until its grammar was compiled "
-            "(about 0 when the same constraint was compiled before).",
-            _COMPILE_BUCKETS,
-        )
+        self._structured_output_metrics()
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -110,6 +100,19 @@ class ServerMetrics:
             self._success.labels(*self._values, reason)
         self._histograms(config.max_model_len)
         self._cache_info(config, gpu_memory_utilization)
+
+    def _structured_output_metrics(self) -> None:
+        self.grammar_failed = self._counter(
+            "kvflow:structured_output_requests_failed",
+            "Requests failed by their output constraint: it did not compile, or it allowed no "
+            "next token.",
+        )
+        self.grammar_compile = self._histogram(
+            "kvflow:structured_output_compile_seconds",
+            "Per constrained request: seconds from admission until its grammar was compiled "
+            "(about 0 when the same constraint was compiled before).",
+            _COMPILE_BUCKETS,
+        )
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, _LABELS, registry=self.registry).labels(*self._values)
