@@ -117,6 +117,7 @@ class AsyncEngine:
         self._pending_adds = 0
         self._latest = engine.stats()
         self._tracker = StatsTracker(self._latest)  # engine thread only
+        self._grammar_failures = 0  # engine thread only: the engine's count at the last pass
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -203,6 +204,13 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises ValueError (vLLM's wording) for a request that could never be served."""
         return self.engine.validate(prompt_token_ids, params)
+
+    def validate_structured_outputs(self, so) -> None:
+        """Raises ValueError naming what is wrong with an output constraint."""
+        grammar = self.engine.grammar
+        if grammar is None:
+            raise ValueError("Structured outputs are not available: no grammar backend.")
+        grammar.validate(so)
 
     def add_request(
         self,
@@ -357,6 +365,10 @@ class AsyncEngine:
         stats = self._tracker.iteration(
             self.engine.stats(), outputs, step_start, self.engine.core.last_step_tokens
         )
+        grammar_failures = self.engine.num_grammar_failures()
+        stats.num_grammar_failures = grammar_failures - self._grammar_failures
+        self._grammar_failures = grammar_failures
+        stats.grammar_compile_times = self.engine.pending_grammars.take_compile_times()
         with self._cond:
             self._latest = stats.engine
             self._pending_adds -= adds

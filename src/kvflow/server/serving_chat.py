@@ -27,7 +27,6 @@ from kvflow.server.serving import (
     EventStream,
     Prompt,
     ServingError,
-    check_response_format,
     clamp_logprob,
     clamp_prompt_logprobs,
     sse,
@@ -68,7 +67,6 @@ class ChatServing(BaseServing):
             raise ServingError(
                 f"`top_logprobs` must be in [0, 20], got {req.top_logprobs}.", param="top_logprobs"
             )
-        check_response_format(req.response_format)
         # vLLM's rules for tools (its server without a tool-call parser): tools alone mean
         # tool_choice "auto", which needs one; "none" renders the tools into the prompt only
         if req.tools == []:

@@ -22,6 +22,8 @@ from kvflow.model.loader import (
     resolve_model,
 )
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured.backend import GrammarBackend
+from kvflow.structured.config import StructuredOutputsConfig
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_cache_shape
@@ -212,6 +214,7 @@ def build_engine(cls, args, log_steps: bool):
         async_scheduling=(
             device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         ),
+        grammar=grammar_backend(args, tokenizer, hf_config.vocab_size, eos, path),
     )
 
 
@@ -259,6 +262,20 @@ def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: in
         logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
         runner = faults.wrap(runner)
     return runner
+
+
+def grammar_backend(args, tokenizer, logits_vocab_size: int, eos, path) -> GrammarBackend | None:
+    """The xgrammar backend for output constraints, with the logits' vocabulary size; None
+    (constrained requests are refused) when the tokenizer is one xgrammar cannot read."""
+    config = args.structured_outputs_config
+    if not isinstance(config, StructuredOutputsConfig):
+        config = StructuredOutputsConfig.parse(config)
+    stops = sorted({*generation_eos_ids(path), *([] if eos is None else [eos])})
+    try:
+        return GrammarBackend(tokenizer, logits_vocab_size, stops, config)
+    except Exception:
+        logger.exception("structured outputs are off: xgrammar cannot read this tokenizer")
+        return None
 
 
 def generation_eos_ids(path: Path) -> frozenset[int]:
