@@ -44,7 +44,8 @@ CASES = [
     ("xlam", '[{"name": "a", "arguments": {"n": -1.5e1}}]', None, [("a", {"n": -15.0})]),
     ("xlam", '<tool_call>{"name": "a", "arguments": {}}</tool_call>', None, [("a", {})]),
     ("xlam", "[1] is a citation, not a call.", "[1] is a citation, not a call.", []),
-    ("xlam", "<tool_call>[]</tool_call>", "[]", []),
+    ("xlam", "<tool_call>[]</tool_call>", None, []),  # the template's "no call needed"
+    ("xlam", "[]", None, []),
     ("xlam", '<tool_call>[{"name": "a", "arguments": {"n": 1}}, {"name"', None,
      [("a", {"n": 1})]),
     ("xlam", "I cannot help with that.", "I cannot help with that.", []),

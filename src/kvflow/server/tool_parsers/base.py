@@ -161,14 +161,18 @@ class Region:
     calls: list[CallDraft]
     is_text: bool
     end: int | None = None  # where the JSON value ended, when it did
+    empty: bool = False  # an empty list: no calls and nothing to show (a model's "no call")
 
 
 def json_region(text: str, closed: bool) -> Region:
     """A stretch that should hold one JSON call object or a list of them; `closed`: no more
     text will come into it."""
     result = scan(text)
-    calls = calls_of(result.node)
-    is_text = not calls and (result.broken or closed or _not_a_call(result.node))
+    node = result.node
+    if node is not None and node.kind == "array" and node.complete and not node.items:
+        return Region([], False, result.end, empty=True)
+    calls = calls_of(node)
+    is_text = not calls and (result.broken or closed or _not_a_call(node))
     return Region(calls, is_text, result.end)
 
 
@@ -202,7 +206,7 @@ def parse_tagged(text: str, final: bool, start: str, end: str) -> Parsed:
             out.calls += region.calls
         elif region.is_text:
             out.content += body if k >= 0 or final else hold_partial(body, end)
-        else:
+        elif not region.empty:
             return out  # undecided: nothing after it is read yet
         if k < 0:
             return out

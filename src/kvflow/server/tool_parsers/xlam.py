@@ -20,5 +20,5 @@ class XlamToolParser(ToolParser):
             region = json_region(text[s:], closed=final)
             if region.calls:
                 return Parsed("", region.calls)
-            return Parsed(text if region.is_text else "")
+            return Parsed(text if region.is_text and not region.empty else "")
         return parse_tagged(text, final, START, END)
