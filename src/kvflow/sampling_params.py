@@ -25,8 +25,16 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
+    # vLLM's options: JSON without free whitespace; the others are accepted as vLLM's xgrammar
+    # backend takes them (fallback and additionalProperties concern other backends)
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported by xgrammar.")
         kinds = self.kinds()
         if len(kinds) != 1:
             raise ValueError(

@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: Any
     block_ids: list[int]
     num_computed_tokens: int
+    grammar: Any = None  # the compiled output constraint (opaque here), or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> message, for requests whose step failed alone (e.g. non-finite logits).
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests whose output constraint ended with this step's token: they stop ("stop").
+    stopped: set[str] = field(default_factory=set)
+    num_masked_rows: int = 0  # rows whose logits an output constraint masked (the step log)
 
 
 @dataclass(slots=True)

@@ -67,6 +67,11 @@ class Request:
     ignore_eos: bool = False
     # prompt logprobs need the logits of every prompt token: no prefix-cache hits (vLLM's name)
     skip_reading_prefix_cache: bool = False
+    # An output constraint: its compiled grammar, opaque to the core (the runner reads it).
+    # While `grammar_pending` it is still compiling: the request waits without holding the
+    # queue (the scheduler passes over it) and counts as waiting.
+    grammar: Any = None
+    grammar_pending: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -99,6 +104,10 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def structured(self) -> bool:
+        return self.grammar is not None or self.grammar_pending
 
     @property
     def is_finished(self) -> bool:

@@ -112,13 +112,18 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, num_tokens: dict[str, int]) -> None:
         self.head_blocked_on_kv = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.first_ready_waiting()
+            if req is None:  # every waiting request is still compiling its grammar
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 self.head_blocked_on_kv = True
                 break
-            self.waiting.popleft()
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -128,6 +133,19 @@ class Scheduler:
             bisect.insort(self.running, req, key=_arrival)
             num_tokens[req.request_id] = n
             budget -= n
+
+    def first_ready_waiting(self) -> Request | None:
+        """The oldest waiting request whose grammar (if any) has compiled: the queue head as
+        far as scheduling goes."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or not head.grammar_pending:
+            return head
+        return next((r for r in self.waiting if not r.grammar_pending), None)
+
+    def has_structured_running(self) -> bool:
+        """Whether a running request has an output constraint (its next mask needs its
+        previous token on the host)."""
+        return any(r.grammar is not None for r in self.running)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-mode preemption: free every block, reset the counter, back to the queue
@@ -162,6 +180,7 @@ class Scheduler:
                         req.sampling_params,
                         block_ids,
                         req.num_computed_tokens,
+                        req.grammar,
                     )
                 )
                 self._runner_blocks[req_id] = len(block_ids)
@@ -190,7 +209,7 @@ class Scheduler:
         With async scheduling the next step is scheduled first: a request it preempted gets
         its token (it waits with it), one that ended since is skipped."""
         outputs = []
-        sampled, failed = result.sampled_token_ids, result.failed
+        sampled, failed, stopped = result.sampled_token_ids, result.failed, result.stopped
         for req_id in sched.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None:
@@ -206,6 +225,9 @@ class Scheduler:
                 req.output_token_ids.append(token)
                 new_ids.append(token)
                 if self._check_stop(req, token):
+                    break
+                if req_id in stopped:  # its output constraint ended with this token
+                    req.status = RequestStatus.FINISHED_STOPPED
                     break
             prompt_logprobs = result.prompt_logprobs.get(req_id)
             if not new_ids and not prompt_logprobs:

@@ -204,6 +204,13 @@ class AsyncEngine:
         """Raises ValueError (vLLM's wording) for a request that could never be served."""
         return self.engine.validate(prompt_token_ids, params)
 
+    def validate_structured_outputs(self, so) -> None:
+        """Raises ValueError naming what is wrong with an output constraint."""
+        grammar = self.engine.grammar
+        if grammar is None:
+            raise ValueError("Structured outputs are not available: no grammar backend.")
+        grammar.validate(so)
+
     def add_request(
         self,
         request_id: str,

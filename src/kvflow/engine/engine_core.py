@@ -79,16 +79,32 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
+    def has_schedulable_work(self) -> bool:
+        """A step could do something now: a step is in flight, a request runs, or one waits
+        that is not compiling its grammar."""
+        sch = self.scheduler
+        return (
+            self._in_flight is not None
+            or bool(sch.running)
+            or sch.first_ready_waiting() is not None
+        )
+
     def step(self) -> list[EngineCoreOutput]:
         """Run one step. Returns outputs for requests that produced tokens or finished: this
         step's, or with async scheduling the previous step's (this one stays in flight)."""
         if not self.async_scheduling:  # (a step still in flight: it was just switched off)
             previous, self._in_flight = self._in_flight, None
             return (previous() if previous is not None else []) + self.launch()()
+        applied: list[EngineCoreOutput] = []
+        if self._in_flight is not None and self.scheduler.has_structured_running():
+            # A constrained row's mask depends on the token in flight: apply it first (no
+            # overlap for this step).
+            previous, self._in_flight = self._in_flight, None
+            applied = previous()
         finish = self.launch()
         launched = self.last_step_tokens > 0
         previous, self._in_flight = self._in_flight, finish if launched else None
-        outputs = previous() if previous is not None else []
+        outputs = applied + (previous() if previous is not None else [])
         return outputs if launched else outputs + finish()
 
     def launch(self) -> Callable[[], list[EngineCoreOutput]]:
@@ -106,18 +122,22 @@ class EngineCore:
         stuck = [] if wait is not None or self._in_flight is not None else self._fail_stuck_head()
 
         def finish() -> list[EngineCoreOutput]:
+            masked = 0
             if wait is None:
                 outputs = stuck
             else:
-                outputs = self.scheduler.update_from_output(sched, wait())
+                result = wait()
+                masked = result.num_masked_rows
+                outputs = self.scheduler.update_from_output(sched, result)
             if self.log_steps:
                 logger.info(
                     "core-step unfinished=%d scheduled=%d model_executed=%d n_out=%d "
-                    "elapsed_s=%.4f",
+                    "masked=%d elapsed_s=%.4f",
                     len(self.scheduler.requests),
                     len(sched.num_scheduled_tokens),
                     int(wait is not None),
                     sum(len(o.new_token_ids) for o in outputs),
+                    masked,
                     time.monotonic() - t0,
                 )
             return outputs
@@ -128,9 +148,9 @@ class EngineCore:
         """Liveness point 4: nothing scheduled, nothing running, yet requests wait. The head can
         never run (a broken invariant); fail it now rather than spin on it forever."""
         sch = self.scheduler
-        if sch.running or not sch.waiting:
+        head = None if sch.running else sch.first_ready_waiting()
+        if head is None:  # running, or idle, or every waiting request is compiling its grammar
             return []
-        head = sch.waiting[0]
         msg = (
             f"request {head.request_id} cannot be scheduled: it needs "
             f"{head.num_tokens} tokens of KV with {sch.kv.pool.num_free_blocks} free blocks of "

@@ -8,13 +8,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
 from kvflow.engine.engine_core import EngineCore, EngineStats, Runner
 from kvflow.engine.output_processor import OutputProcessor
+from kvflow.engine.pending_grammars import PendingGrammars
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured.config import StructuredOutputsConfig
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -41,6 +44,8 @@ class EngineArgs:
     async_scheduling: bool | None = None
     seed: int = 0
     chat_template: str | None = None
+    # vLLM's --structured-outputs-config (a StructuredOutputsConfig, its dict or JSON text)
+    structured_outputs_config: Any = None
     log_engine_steps: bool = False
     offline: bool = False  # made by `LLM` (vLLM's LLM_CLASS usage context), not a server
 
@@ -50,6 +55,10 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
+        if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
+            self.structured_outputs_config = StructuredOutputsConfig.parse(
+                self.structured_outputs_config
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
@@ -69,7 +78,10 @@ class LLMEngine:
         log_steps: bool = False,
         generation_eos_ids: frozenset[int] = frozenset(),
         async_scheduling: bool = False,
+        grammar: Any = None,
     ) -> None:
+        """`grammar`: the GrammarBackend that compiles output constraints (None: requests
+        with one are refused)."""
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -80,6 +92,8 @@ class LLMEngine:
         self.device = device
         self.core = EngineCore(config, runner, log_steps, async_scheduling)
         self.output_processor = OutputProcessor(tokenizer)
+        self.grammar = grammar
+        self.pending_grammars = PendingGrammars()
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
@@ -109,6 +123,10 @@ class LLMEngine:
         m, p = self.max_model_len, len(prompt_token_ids)
         if p == 0:
             raise ValueError("The prompt cannot be empty.")
+        if params.structured_outputs is not None:
+            if self.grammar is None:
+                raise ValueError("Structured outputs are not available: no grammar backend.")
+            self.grammar.validate(params.structured_outputs)
         if params.logit_bias:
             vocab = len(self.tokenizer)
             if bad := [t for t in params.logit_bias if not 0 <= t < vocab]:
@@ -146,24 +164,30 @@ class LLMEngine:
             params = params.clone(stop_token_ids=[*params.stop_token_ids, *sorted(extra)])
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        compile = None
+        if params.structured_outputs is not None:
+            compile = self.grammar.compile(params.structured_outputs)
+            if compile.done() and compile.exception() is not None:
+                raise ValueError(str(compile.exception()))
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         for i, child_id in enumerate(children):
             child = params
             if i and params.seed is not None:  # as vLLM: choice i draws from seed + i
                 child = params.clone(seed=params.seed + i)
-            self.core.add_request(
-                Request(
-                    child_id,
-                    list(prompt_token_ids),
-                    params.max_tokens,
-                    sampling_params=child,
-                    eos_token_id=self.eos_token_id,
-                    stop_token_ids=frozenset(params.stop_token_ids),
-                    min_tokens=params.min_tokens,
-                    ignore_eos=params.ignore_eos,
-                    skip_reading_prefix_cache=params.prompt_logprobs is not None,
-                )
+            request = Request(
+                child_id,
+                list(prompt_token_ids),
+                params.max_tokens,
+                sampling_params=child,
+                eos_token_id=self.eos_token_id,
+                stop_token_ids=frozenset(params.stop_token_ids),
+                min_tokens=params.min_tokens,
+                ignore_eos=params.ignore_eos,
+                skip_reading_prefix_cache=params.prompt_logprobs is not None,
             )
+            self.core.add_request(request)
+            if compile is not None:
+                self.pending_grammars.add(request, compile)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         return self._end(request_ids, RequestStatus.FINISHED_ABORTED, None)
@@ -188,7 +212,9 @@ class LLMEngine:
         With async scheduling they are the previous step's outputs, detokenized while this
         step runs on the device. A stop string then ends its request in the core while the
         step computes one more token for it, which the core drops."""
-        outputs, stopped = self.output_processor.process(self.core.step())
+        pending = self.pending_grammars
+        failed = pending.poll(self.core, block=not self.core.has_schedulable_work())
+        outputs, stopped = self.output_processor.process(failed + self.core.step())
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
@@ -198,3 +224,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def num_grammar_failures(self) -> int:
+        """Requests failed by their output constraint so far: it did not compile, or it
+        allowed no token (counted by the runner)."""
+        runner_failures = getattr(self.core.runner, "num_grammar_failures", 0)
+        return self.pending_grammars.num_failures + runner_failures

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 
 from kvflow.engine.llm_engine import EngineArgs
+from kvflow.structured.config import StructuredOutputsConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -83,6 +85,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a file or an inline Jinja template")
+    _add_structured_outputs_flags(p)
     p.add_argument(
         "--log-engine-steps",
         action="store_true",
@@ -112,6 +115,41 @@ def _add_chat_output_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="split <think>...</think> reasoning into the response's `reasoning` field",
     )
+
+
+def _add_structured_outputs_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's spellings: the whole config as JSON, or its fields one by one (dotted)."""
+    p.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help='JSON, e.g. \'{"backend": "xgrammar", "disable_any_whitespace": true}\'; '
+        "backend: auto (xgrammar) or xgrammar",
+    )
+    p.add_argument(
+        "--structured-outputs-config.backend",
+        dest="structured_outputs_backend",
+        default=None,
+        help="auto or xgrammar",
+    )
+    p.add_argument(
+        "--structured-outputs-config.disable-any-whitespace",
+        "--structured-outputs-config.disable_any_whitespace",
+        dest="structured_outputs_disable_any_whitespace",
+        action="store_true",
+        default=None,
+        help="JSON outputs without whitespace between tokens",
+    )
+
+
+def structured_outputs_config(args: argparse.Namespace) -> StructuredOutputsConfig:
+    """The JSON flag, then the dotted ones over it. Raises ValueError."""
+    config = StructuredOutputsConfig.parse(args.structured_outputs_config)
+    changes = {}
+    if args.structured_outputs_backend is not None:
+        changes["backend"] = args.structured_outputs_backend
+    if args.structured_outputs_disable_any_whitespace is not None:
+        changes["disable_any_whitespace"] = True
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -189,5 +227,6 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         async_scheduling=args.async_scheduling,
         seed=args.seed,
         chat_template=args.chat_template,
+        structured_outputs_config=structured_outputs_config(args),
         log_engine_steps=args.log_engine_steps,
     )

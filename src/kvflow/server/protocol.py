@@ -33,7 +33,6 @@ MAX_PROMPTS = 1024
 UNSUPPORTED_FIELDS = (
     "allowed_token_ids",
     "bad_words",
-    "structured_outputs",
     "guided_json",
     "guided_regex",
     "guided_choice",
@@ -103,6 +102,8 @@ class SamplingFields(RequestModel):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
+    # vLLM's output constraint: json, regex, choice, grammar, json_object or structural_tag
+    structured_outputs: dict[str, Any] | None = None
     request_timeout: float | None = Field(
         default=None, gt=0, description="kvflow: abort the request after this many seconds"
     )

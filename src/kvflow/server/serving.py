@@ -40,6 +40,7 @@ from kvflow.server.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from kvflow.server.structured import constraint
 
 logger = logging.getLogger("kvflow.server")
 
@@ -143,17 +144,6 @@ def usage(prompts: Sequence[Prompt], choices: dict[int, ChoiceState]) -> UsageIn
     )
 
 
-def check_response_format(response_format: Any) -> None:
-    """Plain text only: structured outputs (json_object, json_schema, ...) are not supported,
-    which is said, not ignored."""
-    if response_format is None:
-        return
-    if not isinstance(response_format, dict) or response_format.get("type", "text") != "text":
-        raise ServingError(
-            f"response_format {response_format!r} is not supported.", param="response_format"
-        )
-
-
 class BaseServing:
     def __init__(
         self,
@@ -203,7 +193,14 @@ class BaseServing:
             raise ServingError("Beam search is not supported.", param="use_beam_search")
         for name in UNSUPPORTED_FIELDS:
             if (req.model_extra or {}).get(name):
-                raise ServingError(f"`{name}` is not supported by kvflow.", param=name)
+                hint = " Use `structured_outputs` (vLLM's)." if name.startswith("guided_") else ""
+                raise ServingError(f"`{name}` is not supported by kvflow.{hint}", param=name)
+        try:
+            structured, source = constraint(
+                getattr(req, "response_format", None), req.structured_outputs
+            )
+        except ValueError as exc:
+            raise ServingError(str(exc), param="structured_outputs") from exc
         if req.prompt_logprobs and req.stream:  # vLLM's rule and wording (0 is allowed)
             raise ServingError(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
@@ -214,7 +211,7 @@ class BaseServing:
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 best_of=req.best_of,
                 presence_penalty=req.presence_penalty or 0.0,
@@ -238,9 +235,16 @@ class BaseServing:
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured,
             )
         except (ValueError, TypeError) as exc:
             raise ServingError(str(exc)) from exc
+        if structured is not None:
+            try:  # a constraint xgrammar cannot read is the request's fault: 400
+                self.engine.validate_structured_outputs(params.structured_outputs)
+            except ValueError as exc:
+                raise ServingError(str(exc), param=source) from exc
+        return params
 
     def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of request text. Text longer than any prompt that fits, or not Unicode the

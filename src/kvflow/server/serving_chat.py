@@ -30,7 +30,6 @@ from kvflow.server.serving import (
     EventStream,
     Prompt,
     ServingError,
-    check_response_format,
     clamp_logprob,
     clamp_prompt_logprobs,
     sse,
@@ -78,7 +77,6 @@ class ChatServing(BaseServing):
             raise ServingError(
                 f"`top_logprobs` must be in [0, 20], got {req.top_logprobs}.", param="top_logprobs"
             )
-        check_response_format(req.response_format)
 
     def _with_plan(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
         """ "required" and named tool choices constrain the output to their JSON schema; a
@@ -91,6 +89,10 @@ class ChatServing(BaseServing):
                     param="tool_choice",
                 )
             params.structured_outputs = StructuredOutputsParams(json=plan.schema)
+            try:  # a tool schema the grammar backend cannot compile: 400 naming it
+                self.engine.validate_structured_outputs(params.structured_outputs)
+            except ValueError as exc:
+                raise ServingError(f"The tools' schema: {exc}", param="tools") from exc
         if plan.parser is not None and plan.parser.keeps_special_tokens:
             params.skip_special_tokens = False
         return params

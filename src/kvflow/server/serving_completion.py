@@ -28,7 +28,6 @@ from kvflow.server.serving import (
     EventStream,
     Prompt,
     ServingError,
-    check_response_format,
     clamp_logprob,
     clamp_prompt_logprobs,
     sse,
@@ -76,7 +75,6 @@ class CompletionServing(BaseServing):
         self.check_model(req.model)
         if req.suffix is not None:
             raise ServingError("suffix is not currently supported", param="suffix")
-        check_response_format(req.response_format)
         prompts = self._prompts(req)
         params = [self._params(req, p) for p in prompts]
         request_id = random_id("cmpl")

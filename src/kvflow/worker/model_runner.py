@@ -18,6 +18,7 @@ import torch
 from kvflow.attention.metadata import AttentionMetadata, token_positions
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured.bitmask import GrammarMasker, GrammarState, StepMask, blocked_ids
 from kvflow.transfer import to_device
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.input_rows import InputRows
@@ -43,6 +44,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     row: int
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprobs were computed
+    grammar: GrammarState | None = None  # the output constraint's matcher, if any
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self._in_flight: _Sampled | None = None  # the latest launch's ids, until its wait
         self._prompt_logprobs_due: set[str] = set()  # requests still owed prompt logprobs
+        self._masker: GrammarMasker | None = None  # made for the first constrained request
+        self.num_grammar_failures = 0  # requests failed by their constraint (no token allowed)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         rows = self.rows
@@ -106,11 +110,16 @@ class ModelRunner:
                 if params.seed is not None:
                     gen = torch.Generator(device=self.device)
                     gen.manual_seed(params.seed)
-                self.requests[new.req_id] = CachedRequestState(params, gen, row)
+                state = CachedRequestState(params, gen, row)
+                if new.grammar is not None:
+                    state.grammar = GrammarState(new.grammar)
+                self.requests[new.req_id] = state
                 if params.prompt_logprobs is not None:
                     self._prompt_logprobs_due.add(new.req_id)
             else:
                 state.row = row
+            if state.grammar is not None:  # a resumed request's matcher: its kept tokens
+                state.grammar.sync(new.output_token_ids)
         cached = sched.cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -164,6 +173,7 @@ class ModelRunner:
             if not decode_only:
                 logit_rows = to_device(q_lens.cumsum()[sample_rows] - 1, torch.int64, self.device)
             sampling = self._sampling_metadata(sample_states, index, sample_rows, feed)
+            mask = self._step_mask(sample_states)  # filled while the forward runs (CUDA)
         # the input that is still on the device is each such request's last token
         fill_ids = None if feed is None else (lambda ids: self._copy_fed(ids, feed, q_lens))
         graphs = self.decode_graphs
@@ -189,7 +199,27 @@ class ModelRunner:
             return lambda: ModelRunnerOutput({}, prompt_logprobs=self._live(prompt_logprobs))
         if logits is None:
             logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        return self._sample(logits, sample_ids, sample_states, sampling, prompt_logprobs, raw=raw)
+        if mask is not None:  # before penalties, temperature and logprobs, as vLLM
+            logits = logits.float()
+            mask.apply(logits)
+            raw = None  # the graph's argmax was of the unmasked logits
+        return self._sample(
+            logits, sample_ids, sample_states, sampling, prompt_logprobs, raw=raw, mask=mask
+        )
+
+    def _step_mask(self, states: list[CachedRequestState]) -> StepMask | None:
+        """The token bitmask of the constrained rows among `states` (the sampled rows)."""
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not rows:
+            return None
+        if self._masker is None:
+            self._masker = GrammarMasker(self.vocab_size, self.device)
+        grammars = [states[i].grammar for i in rows]
+        blocked = {}
+        for i, g in zip(rows, grammars, strict=True):
+            if ids := blocked_ids(states[i].params, g.num_accepted, self.eos_token_id):
+                blocked[i] = ids
+        return StepMask(self._masker, rows, grammars, len(states), blocked)
 
     def _prompt_logprobs(
         self,
@@ -323,6 +353,7 @@ class ModelRunner:
         meta: SamplingMetadata,
         prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]],
         raw: RawArgmax | None = None,
+        mask: StepMask | None = None,
     ) -> Callable[[], ModelRunnerOutput]:
         """Queue the sampler on `logits` (row i for req_ids[i]; `raw`: their `raw_argmax`, if
         made) and append placeholders for its ids; the returned call reads them (the step's
@@ -333,7 +364,7 @@ class ModelRunner:
         positions = self.rows.append_tokens(rows)
         launched = _Sampled(out.sampled, states, rows, self.rows.epoch[rows], positions)
         self._in_flight = launched
-        return lambda: self._take(out, req_ids, launched, prompt_logprobs)
+        return lambda: self._take(out, req_ids, launched, prompt_logprobs, mask)
 
     def _take(
         self,
@@ -341,9 +372,11 @@ class ModelRunner:
         req_ids: list[str],
         launched: _Sampled,
         prompt_logprobs: dict[str, tuple[CachedRequestState, list[TokenLogprobs]]],
+        mask: StepMask | None = None,
     ) -> ModelRunnerOutput:
         """The step's tokens into the rows (those not freed since the launch) and the output
-        (requests not ended since: a preempted one keeps its token)."""
+        (requests not ended since: a preempted one keeps its token). Constrained requests'
+        matchers take their tokens; one whose grammar ended stops."""
         token_ids = out.token_ids  # the step's wait for the device; logprobs copy after it
         if self._in_flight is launched:
             self._in_flight = None
@@ -354,13 +387,25 @@ class ModelRunner:
         logprobs: dict[str, list[TokenLogprobs]] = {}
         failed: dict[str, str] = {}
         requests, row_logprobs = self.requests, out.logprobs
-        for i, (req_id, state) in enumerate(zip(req_ids, launched.states, strict=True)):
-            if requests.get(req_id) is not state:
+        live = [requests.get(r) is s for r, s in zip(req_ids, launched.states, strict=True)]
+        ended, grammar_failed = set(), {}
+        if mask is not None:
+            ended, grammar_failed = mask.advance(token_ids, live)
+            self.num_grammar_failures += len(grammar_failed)
+        for i, req_id in enumerate(req_ids):
+            if not live[i]:
                 continue  # ended since the launch (its id may even be in use again)
+            if grammar_failed and i in grammar_failed:
+                failed[req_id] = grammar_failed[i]
+                continue
             if bad and i in bad:
                 failed[req_id] = "the model produced non-finite logits for this request"
                 continue
             sampled[req_id] = [token_ids[i]]
             if row_logprobs is not None and row_logprobs[i] is not None:
                 logprobs[req_id] = [row_logprobs[i]]
-        return ModelRunnerOutput(sampled, logprobs, self._live(prompt_logprobs), failed)
+        stopped = {req_ids[i] for i in ended}
+        masked = 0 if mask is None else len(mask.rows)
+        return ModelRunnerOutput(
+            sampled, logprobs, self._live(prompt_logprobs), failed, stopped, masked
+        )
