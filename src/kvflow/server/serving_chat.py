@@ -88,7 +88,11 @@ class ChatServing(BaseServing):
                     "be combined with response_format or structured_outputs.",
                     param="tool_choice",
                 )
-            params.structured_outputs = StructuredOutputsParams(json=plan.schema)
+            # compact JSON: a small model let free whitespace between tokens can run on
+            # emitting whitespace until max_tokens instead of finishing its call
+            params.structured_outputs = StructuredOutputsParams(
+                json=plan.schema, disable_any_whitespace=True
+            )
             try:  # a tool schema the grammar backend cannot compile: 400 naming it
                 self.engine.validate_structured_outputs(params.structured_outputs)
             except ValueError as exc:
@@ -210,8 +214,10 @@ class _ChatRun:
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options and options.continuous_usage_stats)
         try:
+            # as OpenAI's: a reply that may be tool calls starts with content null, not ""
+            parsed = self.plan.parser is not None or self.serving.tool_config.reasoning_parser
             for i in range(self.req.n):
-                role = DeltaMessage(role="assistant", content="")
+                role = DeltaMessage(role="assistant", content=None if parsed else "")
                 yield sse(self._chunk(i, role, None, None))
             for i in range(self.req.n if self.echo else 0):
                 yield sse(self._chunk(i, DeltaMessage(content=self.echo), None, None))
