@@ -23,6 +23,7 @@ from kvflow.server.protocol import (
     random_id,
 )
 from kvflow.server.reasoning import get_reasoning_parser
+from kvflow.server.reasoning.think import DeepSeekR1ReasoningParser
 from kvflow.server.serving import (
     SSE_DONE,
     BaseServing,
@@ -58,7 +59,7 @@ class ChatServing(BaseServing):
         if max_tokens is None:
             max_tokens = req.max_tokens  # None: the rest of the context
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._with_plan(self.sampling_params(req, max_tokens, logprobs), plan)
+        params = self._with_plan(self.sampling_params(req, max_tokens, logprobs), plan, req)
         request_id = random_id("chatcmpl")
         streams = self.submit(request_id, [prompt], [params])
         run = _ChatRun(self, req, request_id, prompt, plan)
@@ -78,9 +79,12 @@ class ChatServing(BaseServing):
                 f"`top_logprobs` must be in [0, 20], got {req.top_logprobs}.", param="top_logprobs"
             )
 
-    def _with_plan(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    def _with_plan(
+        self, params: SamplingParams, plan: ToolPlan, req: ChatCompletionRequest
+    ) -> SamplingParams:
         """ "required" and named tool choices constrain the output to their JSON schema; a
         parser whose markers are special tokens keeps special tokens in the text."""
+        reasoning = self._reasoning_parser(req)
         if plan.schema is not None:
             if params.structured_outputs is not None:
                 raise ServingError(
@@ -99,11 +103,18 @@ class ChatServing(BaseServing):
                 raise ServingError(f"The tools' schema: {exc}", param="tools") from exc
         if plan.parser is not None and plan.parser.keeps_special_tokens:
             params.skip_special_tokens = False
+        if params.structured_outputs is not None and reasoning is not None and reasoning.thinking:
+            # as vLLM: a constraint shapes the answer, from the end of the reasoning
+            end = self.tokenizer.encode(reasoning.end_text, add_special_tokens=False)
+            params.reasoning_end_ids = list(end)
         return params
 
-    def choice_parser(self, req: ChatCompletionRequest, plan: ToolPlan) -> ChoiceParser:
+    def _reasoning_parser(self, req: ChatCompletionRequest) -> DeepSeekR1ReasoningParser | None:
         name = self.tool_config.reasoning_parser
-        reasoning = None if name is None else get_reasoning_parser(name, req.chat_template_kwargs)
+        return None if name is None else get_reasoning_parser(name, req.chat_template_kwargs)
+
+    def choice_parser(self, req: ChatCompletionRequest, plan: ToolPlan) -> ChoiceParser:
+        reasoning = self._reasoning_parser(req)
         return ChoiceParser(reasoning, plan.parser, plan.limit, req.include_reasoning)
 
     def chat_logprobs(
