@@ -53,8 +53,7 @@ class ChatServing(BaseServing):
         self.check_model(req.model)
         self._check_unsupported(req)
         plan = plan_tools(req, self.tool_config)
-        template = tool_template(self.tokenizer, self.tool_config) if req.tools else None
-        prompt = self.truncate(self.render_chat(req, template), req)
+        prompt = self.truncate(self.render_chat(req), req)
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens  # None: the rest of the context
@@ -67,6 +66,12 @@ class ChatServing(BaseServing):
         if req.stream:
             return EventStream(run.stream(results), streams)
         return await run.collect(results)
+
+    def render_chat(self, req, default_template: str | None = None) -> Prompt:
+        """With tools, the packaged tool-aware template where the model's ignores them."""
+        if default_template is None and req.tools:
+            default_template = tool_template(self.tokenizer, self.tool_config)
+        return super().render_chat(req, default_template)
 
     @staticmethod
     def _check_unsupported(req: ChatCompletionRequest) -> None:
