@@ -12,6 +12,18 @@ from dataclasses import dataclass, field
 
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
 
+NO_TOKEN = "the output constraint allows no next token here"
+
+
+@dataclass(frozen=True)
+class FakeGrammar:
+    """A constraint for the fake runner: output token k must be one of `allowed`, and the
+    grammar ends (the request stops) with output token `length` - 1. No allowed token: the
+    mask is empty and the request fails."""
+
+    length: int
+    allowed: tuple[int, ...]
+
 
 def scripted_token(req_id: str, position: int) -> int:
     """Deterministic 'model': the token at `position` depends on the request and position only."""
@@ -24,6 +36,11 @@ class _State:
     prompt_len: int
     block_ids: list[int]
     num_computed: int
+    grammar: FakeGrammar | None = None
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
 
 @dataclass
@@ -37,6 +54,7 @@ class FakeRunner:
     kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (position, token)
     steps: list[SchedulerOutput] = field(default_factory=list)
     max_model_len: int | None = None  # if set: no token is computed at or past it
+    grammar_steps: int = 0  # constrained rows sampled (masked)
 
     def launch(self, sched: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         output = self.execute(sched)
@@ -49,8 +67,16 @@ class FakeRunner:
         for new in sched.new_reqs:
             assert new.req_id not in self.states, "runner sent a request it already has"
             tokens = new.prompt_token_ids + new.output_token_ids
+            grammar = new.grammar
+            if grammar is not None:  # a resumed request's matcher replays its kept tokens
+                assert len(new.output_token_ids) < grammar.length, "ran past its grammar's end"
+                assert all(t in grammar.allowed for t in new.output_token_ids), "off-grammar"
             self.states[new.req_id] = _State(
-                tokens, len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
+                tokens,
+                len(new.prompt_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                grammar,
             )
         cached = sched.cached_reqs
         for req_id, new_block_ids, num_computed in zip(
@@ -60,10 +86,21 @@ class FakeRunner:
             assert st.num_computed == num_computed, "computed counter diverged"
             st.block_ids.extend(new_block_ids)
         sampled: dict[str, list[int]] = {}
+        failed = {r: "injected failure" for r in self.fail if r in sched.num_scheduled_tokens}
+        stopped: set[str] = set()
         for req_id, n in sched.num_scheduled_tokens.items():
             sampled[req_id] = self._run_one(req_id, n)
-        failed = {r: "injected failure" for r in self.fail if r in sched.num_scheduled_tokens}
-        return ModelRunnerOutput(sampled, failed=failed)
+            grammar = self.states[req_id].grammar
+            if grammar is None or not sampled[req_id]:
+                continue
+            self.grammar_steps += 1
+            if not grammar.allowed:
+                failed[req_id] = NO_TOKEN
+            elif self.states[req_id].num_outputs == grammar.length:
+                stopped.add(req_id)
+        return ModelRunnerOutput(
+            sampled, failed=failed, stopped=stopped, num_masked_rows=self.grammar_steps
+        )
 
     def _slot(self, st: _State, pos: int) -> int:
         block = st.block_ids[pos // self.block_size]
@@ -91,5 +128,7 @@ class FakeRunner:
             if self.eos_at.get(req_id) == out_index
             else scripted_token(req_id, end)
         )
+        if st.grammar is not None and st.grammar.allowed:  # the masked draw
+            token = st.grammar.allowed[token % len(st.grammar.allowed)]
         st.tokens.append(token)
         return [token]

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fakes import FakeRunner
+from fakes import FakeGrammar, FakeRunner
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from kvflow.core.kv_cache_manager import cdiv
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
-from kvflow.core.request import Request
+from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine.engine_core import EngineCore
 
@@ -47,23 +47,41 @@ class HeadCheckingRunner(FakeRunner):
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._check_head(sched)
+        self._check_masks_are_current(sched)
         return super().execute(sched)
+
+    def _check_masks_are_current(self, sched: SchedulerOutput) -> None:
+        """A constrained request is never scheduled while an earlier step's token is still
+        unknown (async scheduling applies that step first): its mask needs that token."""
+        assert self.scheduler is not None
+        for req_id in sched.num_scheduled_tokens:
+            req = self.scheduler.requests[req_id]
+            if req.grammar is not None:
+                assert req.num_pending_tokens <= 1, f"{req_id}: masked with a token in flight"
 
     def _check_head(self, sched: SchedulerOutput) -> None:
         sch = self.scheduler
         assert sch is not None
-        if not sch.waiting or sched.num_preemptions:
+        head = sch.first_ready_waiting()  # requests compiling their grammar wait aside
+        if head is None or sched.num_preemptions:
             return
         left = sch.config.max_num_batched_tokens - sched.total_num_scheduled_tokens
         if left <= 0 or len(sch.running) >= sch.config.max_num_seqs:
             return
-        head = sch.waiting[0]
         hits, num_hit = sch.kv.get_computed_blocks(head)
         n = min(head.num_tokens - num_hit, left)
         need = cdiv(num_hit + n, self.block_size) - len(hits)
         allocatable = sch.kv.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
         assert need > allocatable, f"{head.request_id} fits ({need} <= {allocatable}) but waits"
         self.heads_checked += 1
+
+
+@st.composite
+def grammars(draw):
+    """(FakeGrammar, steps its compile takes, whether the compile fails)."""
+    allowed = tuple(draw(st.lists(st.integers(3, 50), max_size=4, unique=True)))
+    grammar = FakeGrammar(draw(st.integers(1, 30)), allowed)
+    return grammar, draw(st.integers(0, 6)), draw(st.integers(0, 9)) == 0
 
 
 @st.composite
@@ -89,7 +107,10 @@ def workloads(draw):
         arrive = draw(st.integers(0, 15))
         abort_at = draw(st.one_of(st.none(), st.integers(0, 40)))
         eos_at = draw(st.one_of(st.none(), st.integers(0, max_tokens)))
-        reqs.append((f"r{i}", prompt, max_tokens, arrive, abort_at, eos_at))
+        grammar = draw(st.one_of(st.none(), grammars()))
+        if grammar is not None:
+            eos_at = None  # the grammar picks the tokens
+        reqs.append((f"r{i}", prompt, max_tokens, arrive, abort_at, eos_at, grammar))
     return cache, SchedulerConfig(max_model_len, budget, max_seqs), reqs, draw(st.booleans())
 
 
@@ -108,7 +129,9 @@ def test_every_request_finishes_within_the_bound_and_nothing_leaks(workload):
     scheduled once more after its last token (before its EOS is seen), so the bound grows by
     one step per request plus the last step's output."""
     cache, sched_cfg, reqs, async_scheduling = workload
-    eos = {rid: e for rid, _, _, _, _, e in reqs if e is not None}
+    eos = {rid: e for rid, _, _, _, _, e, _ in reqs if e is not None}
+    grammar_of = {r[0]: r[6] for r in reqs if r[6] is not None}
+    compile_at: dict[str, int] = {}
     runner = HeadCheckingRunner(
         cache.block_size, cache.num_blocks, eos_at=eos, max_model_len=sched_cfg.max_model_len
     )
@@ -121,17 +144,24 @@ def test_every_request_finishes_within_the_bound_and_nothing_leaks(workload):
     bound = last_arrival + 1 + _bound(reqs, sched_cfg.max_num_batched_tokens)
     if async_scheduling:
         bound += len(reqs) + 1
+    bound += sum(delay for _, delay, _ in grammar_of.values())  # all may be compiling
     idle_steps = 0  # consecutive steps that launched nothing while requests were live
     step = 0
     while step <= last_arrival or engine.has_unfinished_requests():
-        for rid, prompt, max_tokens, arrive, abort_at, _ in reqs:
+        for rid, prompt, max_tokens, arrive, abort_at, _, spec in reqs:
             if arrive == step:
-                live[rid] = Request(rid, list(prompt), max_tokens, eos_token_id=2)
+                live[rid] = Request(
+                    rid, list(prompt), max_tokens, eos_token_id=2, grammar_pending=bool(spec)
+                )
                 engine.add_request(live[rid])
+                if spec is not None:
+                    compile_at[rid] = step + spec[1]
+            if compile_at.get(rid) == step and rid not in finished:
+                _compiled(engine, live[rid], spec, finished)
             if abort_at == step and rid in live and rid not in finished:
                 for out in engine.abort_requests([rid]):
                     finished[out.req_id] = out.finish_reason
-        live_before = engine.scheduler.has_unfinished_requests()
+        live_before = engine.has_schedulable_work()
         for out in engine.step():
             if out.finished:
                 finished[out.req_id] = out.finish_reason
@@ -143,7 +173,12 @@ def test_every_request_finishes_within_the_bound_and_nothing_leaks(workload):
         step += 1
         assert step <= bound, f"run exceeded the derived bound of {bound} steps"
     assert set(finished) == set(live)
-    assert all(reason in ("stop", "length", "abort") for reason in finished.values())
+    for rid, reason in finished.items():
+        spec = grammar_of.get(rid)
+        may_fail = spec is not None and (spec[2] or not spec[0].allowed)
+        assert reason in ("stop", "length", "abort", *(("error",) if may_fail else ())), rid
+        if spec is not None and reason in ("stop", "length"):
+            _check_constrained(live[rid], spec[0], reason, sched_cfg.max_model_len)
     assert engine.stats().num_stuck_failures == 0
     assert pool.num_free_blocks == cache.num_blocks - 1, "blocks held after every request ended"
     order = sorted(live.values(), key=lambda r: r.arrival_seq)
@@ -153,3 +188,24 @@ def test_every_request_finishes_within_the_bound_and_nothing_leaks(workload):
     for r in order:
         if r.finish_reason == "length":
             assert r.num_output_tokens == r.max_tokens or r.num_tokens == sched_cfg.max_model_len
+
+
+def _compiled(engine: EngineCore, req: Request, spec, finished: dict[str, str]) -> None:
+    """The request's grammar compiled (or failed to) now, as `PendingGrammars` resolves it."""
+    grammar, _, fails = spec
+    if fails:
+        for out in engine.abort_requests([req.request_id], RequestStatus.FINISHED_ERROR, "bad"):
+            finished[out.req_id] = out.finish_reason
+        return
+    req.grammar, req.grammar_pending = grammar, False
+
+
+def _check_constrained(req: Request, grammar: FakeGrammar, reason: str, max_model_len: int):
+    """Every output token was allowed; the grammar's end stopped it, or a length limit came
+    first."""
+    assert all(t in grammar.allowed for t in req.output_token_ids), req.request_id
+    assert req.num_output_tokens <= grammar.length
+    if reason == "stop":
+        assert req.num_output_tokens == grammar.length
+    else:
+        assert req.num_output_tokens == req.max_tokens or req.num_tokens == max_model_len

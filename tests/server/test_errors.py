@@ -118,6 +118,7 @@ def test_text_that_is_not_unicode_is_400_not_500(server):
 
 
 def test_chat_templates_tools_and_formats_as_vllm_refuses_them(server):
+    """(Output constraints themselves: test_structured.py.)"""
     user = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
     refused = [
@@ -129,10 +130,15 @@ def test_chat_templates_tools_and_formats_as_vllm_refuses_them(server):
         ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
         ({"tools": []}, "`tools` must not be an empty array"),
         ({"tools": [{"foo": 1}], "tool_choice": "none"}, "Each tool must be"),
+        ({"response_format": {"type": "xml"}}, "'xml' is not one of"),
     ]
     for extra, needle in refused:
         resp = server.post("/v1/chat/completions", {"messages": user, "max_tokens": 2, **extra})
         assert needle in error_of(resp, 400, "BadRequestError"), extra
+    fmt = {"prompt": CAPITAL, "response_format": {"type": "xml"}}
+    assert "'xml' is not one of" in error_of(
+        server.post("/v1/completions", fmt), 400, "BadRequestError"
+    )
     served = [
         {"tools": [tool], "tool_choice": "none"},  # rendered into the prompt only
         {"tools": [tool], "tool_choice": "required"},  # the grammar makes the call

@@ -106,10 +106,6 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def structured(self) -> bool:
-        return self.grammar is not None or self.grammar_pending
-
-    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

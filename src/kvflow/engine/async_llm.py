@@ -117,6 +117,7 @@ class AsyncEngine:
         self._pending_adds = 0
         self._latest = engine.stats()
         self._tracker = StatsTracker(self._latest)  # engine thread only
+        self._grammar_failures = 0  # engine thread only: the engine's count at the last pass
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -364,6 +365,10 @@ class AsyncEngine:
         stats = self._tracker.iteration(
             self.engine.stats(), outputs, step_start, self.engine.core.last_step_tokens
         )
+        grammar_failures = self.engine.num_grammar_failures()
+        stats.num_grammar_failures = grammar_failures - self._grammar_failures
+        self._grammar_failures = grammar_failures
+        stats.grammar_compile_times = self.engine.pending_grammars.take_compile_times()
         with self._cond:
             self._latest = stats.engine
             self._pending_adds -= adds

@@ -52,6 +52,8 @@ class IterationStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_stuck_failures: int = 0
+    num_grammar_failures: int = 0  # requests failed by their output constraint
+    grammar_compile_times: list[float] = field(default_factory=list)  # per constrained request
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)

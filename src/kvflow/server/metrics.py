@@ -29,6 +29,7 @@ _ITL_BUCKETS = [
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0,
 ]  # fmt: skip
+_COMPILE_BUCKETS = [0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 _REQUEST_LATENCY_BUCKETS = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -88,6 +89,7 @@ class ServerMetrics:
             "kvflow:stuck_requests_failed",
             "Requests failed because they could never be scheduled (a broken invariant).",
         )
+        self._structured_output_metrics()
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -98,6 +100,19 @@ class ServerMetrics:
             self._success.labels(*self._values, reason)
         self._histograms(config.max_model_len)
         self._cache_info(config, gpu_memory_utilization)
+
+    def _structured_output_metrics(self) -> None:
+        self.grammar_failed = self._counter(
+            "kvflow:structured_output_requests_failed",
+            "Requests failed by their output constraint: it did not compile, or it allowed no "
+            "next token.",
+        )
+        self.grammar_compile = self._histogram(
+            "kvflow:structured_output_compile_seconds",
+            "Per constrained request: seconds from admission until its grammar was compiled "
+            "(about 0 when the same constraint was compiled before).",
+            _COMPILE_BUCKETS,
+        )
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, _LABELS, registry=self.registry).labels(*self._values)
@@ -205,6 +220,9 @@ class ServerMetrics:
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
         self.stuck_failed.inc(stats.num_stuck_failures)
+        self.grammar_failed.inc(stats.num_grammar_failures)
+        for seconds in stats.grammar_compile_times:
+            self.grammar_compile.observe(seconds)
         if stats.num_iteration_tokens:
             self.iteration_tokens.observe(stats.num_iteration_tokens)
         for ttft in stats.time_to_first_tokens:

@@ -24,7 +24,7 @@ from kvflow.engine.async_llm import (
     RequestStream,
 )
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.server.protocol import (
     UNSUPPORTED_FIELDS,
     ChatTemplateFields,
@@ -195,12 +195,7 @@ class BaseServing:
             if (req.model_extra or {}).get(name):
                 hint = " Use `structured_outputs` (vLLM's)." if name.startswith("guided_") else ""
                 raise ServingError(f"`{name}` is not supported by kvflow.{hint}", param=name)
-        try:
-            structured, source = constraint(
-                getattr(req, "response_format", None), req.structured_outputs
-            )
-        except ValueError as exc:
-            raise ServingError(str(exc), param="structured_outputs") from exc
+        structured, source = self._constraint(req)
         if req.prompt_logprobs and req.stream:  # vLLM's rule and wording (0 is allowed)
             raise ServingError(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
@@ -241,10 +236,18 @@ class BaseServing:
             raise ServingError(str(exc)) from exc
         if structured is not None:
             try:  # a constraint xgrammar cannot read is the request's fault: 400
-                self.engine.validate_structured_outputs(params.structured_outputs)
+                self.engine.validate_structured_outputs(structured)
             except ValueError as exc:
                 raise ServingError(str(exc), param=source) from exc
         return params
+
+    @staticmethod
+    def _constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's output constraint and the field it came from (400 if malformed)."""
+        try:
+            return constraint(getattr(req, "response_format", None), req.structured_outputs)
+        except ValueError as exc:
+            raise ServingError(str(exc), param="structured_outputs") from exc
 
     def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of request text. Text longer than any prompt that fits, or not Unicode the

@@ -21,6 +21,9 @@ import xgrammar as xgr
 from kvflow.sampling_params import StructuredOutputsParams
 from kvflow.structured.config import StructuredOutputsConfig
 
+# Whitespace between JSON elements is capped at this many characters (enough for indented
+# JSON): small models otherwise fill max_tokens with whitespace inside an object.
+MAX_JSON_WHITESPACE = 20
 _CACHE_SIZE = 256  # compiled grammars kept (each a few hundred KB for a JSON schema)
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -107,10 +110,13 @@ class GrammarBackend:
         """The constraint as an xgrammar Grammar. Raises ValueError."""
         kind, value, any_ws = self.key(so)
         try:
-            if kind == "json":
-                return xgr.Grammar.from_json_schema(value, any_whitespace=any_ws)
-            if kind == "json_object":
-                return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_ws)
+            if kind in ("json", "json_object"):
+                schema = value if kind == "json" else '{"type": "object"}'
+                return xgr.Grammar.from_json_schema(
+                    schema,
+                    any_whitespace=any_ws,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE if any_ws else None,
+                )
             if kind == "regex":
                 return xgr.Grammar.from_regex(value)
             if kind == "choice":

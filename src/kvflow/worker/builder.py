@@ -231,8 +231,6 @@ def build_engine(cls, args, log_steps: bool):
         logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
         runner = faults.wrap(runner)
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
-    eos_ids = generation_eos_ids(path)
-    grammar = grammar_backend(args, tokenizer, hf_config.vocab_size, eos, eos_ids)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d servable tokens; max_model_len %d; dtype %s; device %s",
         num_blocks,
@@ -251,21 +249,21 @@ def build_engine(cls, args, log_steps: bool):
         dtype_name=str(dtype).removeprefix("torch."),
         device=device,
         log_steps=log_steps,
-        generation_eos_ids=eos_ids,
+        generation_eos_ids=generation_eos_ids(path),
         async_scheduling=(
             device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         ),
-        grammar=grammar,
+        grammar=grammar_backend(args, tokenizer, hf_config.vocab_size, eos, path),
     )
 
 
-def grammar_backend(args, tokenizer, logits_vocab_size: int, eos, eos_ids) -> GrammarBackend | None:
+def grammar_backend(args, tokenizer, logits_vocab_size: int, eos, path) -> GrammarBackend | None:
     """The xgrammar backend for output constraints, with the logits' vocabulary size; None
     (constrained requests are refused) when the tokenizer is one xgrammar cannot read."""
     config = args.structured_outputs_config
     if not isinstance(config, StructuredOutputsConfig):
         config = StructuredOutputsConfig.parse(config)
-    stops = sorted({*eos_ids, *([] if eos is None else [eos])})
+    stops = sorted({*generation_eos_ids(path), *([] if eos is None else [eos])})
     try:
         return GrammarBackend(tokenizer, logits_vocab_size, stops, config)
     except Exception:

@@ -200,10 +200,6 @@ class ModelRunner:
             return lambda: ModelRunnerOutput({}, prompt_logprobs=self._live(prompt_logprobs))
         if logits is None:
             logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
-        if mask is not None:  # before penalties, temperature and logprobs, as vLLM
-            logits = logits.float()
-            mask.apply(logits)
-            raw = None  # the graph's argmax was of the unmasked logits
         return self._sample(
             logits, sample_ids, sample_states, sampling, prompt_logprobs, raw=raw, mask=mask
         )
@@ -358,7 +354,12 @@ class ModelRunner:
     ) -> Callable[[], ModelRunnerOutput]:
         """Queue the sampler on `logits` (row i for req_ids[i]; `raw`: their `raw_argmax`, if
         made) and append placeholders for its ids; the returned call reads them (the step's
-        first device -> host copy)."""
+        first device -> host copy). `mask` applies first: before penalties, temperature and
+        logprobs, as in vLLM."""
+        if mask is not None:
+            logits = logits.float()
+            mask.apply(logits)
+            raw = None  # the graph's argmax was of the unmasked logits
         out = sample(logits, meta, raw)
         out.to_host()
         rows = np.fromiter((s.row for s in states), np.intp, len(states))
