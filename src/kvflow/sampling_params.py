@@ -88,6 +88,10 @@ class SamplingParams:
     detokenize: bool = True
     # an output constraint (JSON schema, regex, choice, grammar); None: free generation
     structured_outputs: StructuredOutputsParams | None = None
+    # With structured_outputs: the constraint applies from the token after the output's first
+    # occurrence of these token ids (a reasoning section's end, e.g. `</think>`: vLLM's
+    # reasoning-parser rule); None: from the first token. The server sets it.
+    reasoning_end_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

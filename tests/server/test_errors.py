@@ -126,8 +126,8 @@ def test_chat_templates_tools_and_formats_as_vllm_refuses_them(server):
         ({"chat_template": "{{ 'x' }}"}, "--trust-request-chat-template is not set"),
         ({"chat_template_kwargs": {"chat_template": "x"}}, "untrusted chat template"),
         ({"chat_template_kwargs": {"tokenize": True}}, "unexpected chat template kwargs"),
-        ({"tools": [tool]}, "tool_choice 'auto' needs a tool-call parser"),
-        ({"tools": [tool], "tool_choice": "required"}, "tool_choice 'required'"),
+        # as vLLM without --enable-auto-tool-choice: tools alone mean "auto", which needs it
+        ({"tools": [tool]}, '"auto" tool choice requires --enable-auto-tool-choice'),
         ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
         ({"tools": []}, "`tools` must not be an empty array"),
         ({"tools": [{"foo": 1}], "tool_choice": "none"}, "Each tool must be"),
@@ -142,6 +142,7 @@ def test_chat_templates_tools_and_formats_as_vllm_refuses_them(server):
     )
     served = [
         {"tools": [tool], "tool_choice": "none"},  # rendered into the prompt only
+        {"tools": [tool], "tool_choice": "required"},  # the grammar makes the call
         {"chat_template_kwargs": {"add_generation_prompt": False}},  # the request's field wins
     ]
     for extra in served:

@@ -29,12 +29,13 @@ from fastapi import FastAPI
 from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.paths import remove_scratch
-from kvflow.server.args import add_serve_arguments, engine_args_from
+from kvflow.server.args import add_serve_arguments, check_serve_args, engine_args_from
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.metrics import ServerMetrics
 from kvflow.server.routes import ServerContext, router
 from kvflow.server.serving_chat import ChatServing
 from kvflow.server.serving_completion import CompletionServing
+from kvflow.server.tool_choice import ToolConfig
 
 logger = logging.getLogger("kvflow.server")
 
@@ -132,7 +133,7 @@ def build_app(
     ctx = ServerContext(
         engine=async_engine,
         completion=CompletionServing(async_engine, **common),
-        chat=ChatServing(async_engine, **common),
+        chat=ChatServing(async_engine, **common, tool_config=tool_config_from(args)),
         metrics=metrics,
     )
 
@@ -157,6 +158,15 @@ def build_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app, controller
+
+
+def tool_config_from(args: argparse.Namespace) -> ToolConfig:
+    return ToolConfig(
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        chat_template_given=getattr(args, "chat_template", None) is not None,
+    )
 
 
 def _configure_logging() -> None:
@@ -246,6 +256,7 @@ def run_server(args: argparse.Namespace) -> int:
     _configure_logging()
     _install_start_up_signals()
     try:
+        check_serve_args(args)
         engine = _load_engine(args)
         server = _build_server(engine, args)
     except ValueError as exc:

@@ -43,6 +43,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """The `kvflow serve` flags (vLLM's spellings) on `parser`; returns it."""
     _add_engine_flags(parser)
     _add_server_flags(parser)
+    _add_chat_output_flags(parser)
     return parser
 
 
@@ -90,6 +91,29 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=os.environ.get("KVFLOW_LOG_ENGINE_STEPS") == "1",
         help="one log line per engine step (also KVFLOW_LOG_ENGINE_STEPS=1)",
+    )
+
+
+def _add_chat_output_flags(p: argparse.ArgumentParser) -> None:
+    from kvflow.server.reasoning import REASONING_PARSER_NAMES
+    from kvflow.server.tool_parsers import TOOL_PARSER_NAMES
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSER_NAMES,
+        default=None,
+        help="the format of the model's tool calls (xlam for the embedded SmolLM2)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSER_NAMES,
+        default=None,
+        help="split <think>...</think> reasoning into the response's `reasoning` field",
     )
 
 
@@ -169,6 +193,12 @@ def _non_negative(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """What vLLM refuses before loading: auto tool choice without a parser."""
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -186,6 +186,8 @@ class ChatMessage(RequestModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatTemplateFields(RequestModel):
@@ -206,6 +208,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
     echo: bool = False  # vLLM's: the reply starts with the last message if its role is the reply's
 
 
@@ -223,11 +227,22 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str
     content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning: str | None = None  # vLLM's field (0.3x) for a --reasoning-parser's split
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -248,9 +263,26 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's extension
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta has its index, id, type and name; later ones the index and more
+    argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

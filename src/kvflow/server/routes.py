@@ -103,7 +103,7 @@ async def models(request: Request) -> ModelList:
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    return _ctx(request).completion.tokenize(body)
+    return _ctx(request).chat.tokenize(body)  # a chat's prompt as the chat endpoint renders it
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -277,7 +278,9 @@ class BaseServing:
             raise ServingError(str(exc), param="prompt") from exc
         return Prompt(None, ids)
 
-    def render_chat(self, req: ChatTemplateFields) -> Prompt:
+    def render_chat(self, req: ChatTemplateFields, default_template: str | None = None) -> Prompt:
+        """The prompt of a chat: the request's template, else `default_template`, else the
+        model's."""
         if req.continue_final_message and req.add_generation_prompt:
             raise ServingError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
@@ -302,17 +305,21 @@ class BaseServing:
         )
         if req.tools is not None:
             kwargs["tools"] = req.tools
-        messages = [self._message(m.role, m.content, m.name) for m in req.messages]
+        messages = [self._message(m) for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, chat_template=template, **kwargs
+                messages, tokenize=False, chat_template=template or default_template, **kwargs
             )
         except Exception as exc:  # a template error is the request's fault
             raise ServingError(f"Could not apply the chat template: {exc}") from exc
         return Prompt(text, self.encode(text, req.add_special_tokens, "messages"))
 
     @staticmethod
-    def _message(role: str, content: Any, name: str | None) -> dict[str, Any]:
+    def _message(m: Any) -> dict[str, Any]:
+        """A request message as templates read it: text content, and an assistant's tool calls
+        with their arguments as objects (vLLM's convention; JSON text that is not an object
+        stays text) and a tool result's call id."""
+        content = m.content
         if isinstance(content, list):
             parts = []
             for part in content:
@@ -320,9 +327,13 @@ class BaseServing:
                     raise ServingError("Only text content parts are supported.", param="messages")
                 parts.append(part["text"])
             content = "\n".join(parts)
-        message: dict[str, Any] = {"role": role, "content": content or ""}
-        if name is not None:
-            message["name"] = name
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
         return message
 
     # ---- running requests --------------------------------------------------------------------
@@ -442,6 +453,25 @@ class BaseServing:
         if entry is not None and entry.decoded_token is not None:
             return entry.decoded_token
         return self.tokenizer.decode([token_id])
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ServingError(
+            'Each tool call must be {"id": ..., "type": "function", "function": {"name": ..., '
+            '"arguments": ...}}.',
+            param="messages",
+        )
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            function["arguments"] = parsed
+    return {**call, "function": function}
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

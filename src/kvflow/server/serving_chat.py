@@ -6,6 +6,8 @@ import logging
 from collections.abc import AsyncIterator
 
 from kvflow.outputs import CompletionOutput, Logprob
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from kvflow.server.chat_output import ChoiceParser
 from kvflow.server.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -20,6 +22,8 @@ from kvflow.server.protocol import (
     now,
     random_id,
 )
+from kvflow.server.reasoning import get_reasoning_parser
+from kvflow.server.reasoning.think import DeepSeekR1ReasoningParser
 from kvflow.server.serving import (
     SSE_DONE,
     BaseServing,
@@ -32,30 +36,42 @@ from kvflow.server.serving import (
     sse,
     usage,
 )
+from kvflow.server.tool_choice import ToolConfig, ToolPlan, plan_tools, tool_template
 
 logger = logging.getLogger("kvflow.server")
 
 
 class ChatServing(BaseServing):
+    def __init__(self, *args, tool_config: ToolConfig | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_config = tool_config or ToolConfig()
+
     async def create_chat_completion(
         self, req: ChatCompletionRequest
     ) -> ChatCompletionResponse | EventStream:
         """Validates and queues before returning: a refused request raises ServingError here."""
         self.check_model(req.model)
         self._check_unsupported(req)
+        plan = plan_tools(req, self.tool_config)
         prompt = self.truncate(self.render_chat(req), req)
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens  # None: the rest of the context
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs)
+        params = self._with_plan(self.sampling_params(req, max_tokens, logprobs), plan, req)
         request_id = random_id("chatcmpl")
         streams = self.submit(request_id, [prompt], [params])
-        run = _ChatRun(self, req, request_id, prompt)
+        run = _ChatRun(self, req, request_id, prompt, plan)
         results = self.results(streams, req.request_timeout)
         if req.stream:
             return EventStream(run.stream(results), streams)
         return await run.collect(results)
+
+    def render_chat(self, req, default_template: str | None = None) -> Prompt:
+        """With tools, the packaged tool-aware template where the model's ignores them."""
+        if default_template is None and req.tools:
+            default_template = tool_template(self.tokenizer, self.tool_config)
+        return super().render_chat(req, default_template)
 
     @staticmethod
     def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -67,36 +83,44 @@ class ChatServing(BaseServing):
             raise ServingError(
                 f"`top_logprobs` must be in [0, 20], got {req.top_logprobs}.", param="top_logprobs"
             )
-        # vLLM's rules for tools (its server without a tool-call parser): tools alone mean
-        # tool_choice "auto", which needs one; "none" renders the tools into the prompt only
-        if req.tools == []:
-            raise ServingError(
-                "`tools` must not be an empty array. Either provide at least one tool or omit "
-                "the field entirely.",
-                param="tools",
-            )
-        for tool in req.tools or []:
-            function = tool.get("function")
-            named = isinstance(function, dict) and isinstance(function.get("name"), str)
-            if tool.get("type") != "function" or not named:
+
+    def _with_plan(
+        self, params: SamplingParams, plan: ToolPlan, req: ChatCompletionRequest
+    ) -> SamplingParams:
+        """ "required" and named tool choices constrain the output to their JSON schema; a
+        parser whose markers are special tokens keeps special tokens in the text."""
+        reasoning = self._reasoning_parser(req)
+        if plan.schema is not None:
+            if params.structured_outputs is not None:
                 raise ServingError(
-                    'Each tool must be {"type": "function", "function": {"name": ...}}.',
-                    param="tools",
+                    f'tool_choice "{plan.mode}" constrains the output to tool calls; it cannot '
+                    "be combined with response_format or structured_outputs.",
+                    param="tool_choice",
                 )
-        choice = req.tool_choice
-        if "tool_choice" not in req.model_fields_set and req.tools:
-            choice = "auto"
-        if choice not in (None, "none"):
-            if req.tools is None:
-                raise ServingError(
-                    "When using `tool_choice`, `tools` must be set.", param="tool_choice"
-                )
-            raise ServingError(
-                f"Tool calling is not supported: tool_choice {choice!r} needs a tool-call "
-                'parser, which kvflow does not have. With tool_choice "none" the tools are '
-                "rendered into the prompt only.",
-                param="tool_choice",
+            # compact JSON: a small model let free whitespace between tokens can run on
+            # emitting whitespace until max_tokens instead of finishing its call
+            params.structured_outputs = StructuredOutputsParams(
+                json=plan.schema, disable_any_whitespace=True
             )
+            try:  # a tool schema the grammar backend cannot compile: 400 naming it
+                self.engine.validate_structured_outputs(params.structured_outputs)
+            except ValueError as exc:
+                raise ServingError(f"The tools' schema: {exc}", param="tools") from exc
+        if plan.parser is not None and plan.parser.keeps_special_tokens:
+            params.skip_special_tokens = False
+        if params.structured_outputs is not None and reasoning is not None and reasoning.thinking:
+            # as vLLM: a constraint shapes the answer, from the end of the reasoning
+            end = self.tokenizer.encode(reasoning.end_text, add_special_tokens=False)
+            params.reasoning_end_ids = list(end)
+        return params
+
+    def _reasoning_parser(self, req: ChatCompletionRequest) -> DeepSeekR1ReasoningParser | None:
+        name = self.tool_config.reasoning_parser
+        return None if name is None else get_reasoning_parser(name, req.chat_template_kwargs)
+
+    def choice_parser(self, req: ChatCompletionRequest, plan: ToolPlan) -> ChoiceParser:
+        reasoning = self._reasoning_parser(req)
+        return ChoiceParser(reasoning, plan.parser, plan.limit, req.include_reasoning)
 
     def chat_logprobs(
         self, pairs: list[tuple[int, dict[int, Logprob]]], top_n: int
@@ -123,14 +147,21 @@ class _ChatRun:
     """One chat request in flight."""
 
     def __init__(
-        self, serving: ChatServing, req: ChatCompletionRequest, rid: str, prompt: Prompt
+        self,
+        serving: ChatServing,
+        req: ChatCompletionRequest,
+        rid: str,
+        prompt: Prompt,
+        plan: ToolPlan,
     ) -> None:
         self.serving = serving
         self.req = req
         self.id = rid
         self.created = now()
         self.prompt = prompt
+        self.plan = plan
         self.choices = {i: ChoiceState() for i in range(req.n)}
+        self.parsers = {i: serving.choice_parser(req, plan) for i in range(req.n)}
         self.prompt_logprobs: list | None = None
         self.echo = self._echo(req)
 
@@ -151,24 +182,40 @@ class _ChatRun:
             return None
         return self.serving.chat_logprobs(pairs, self.req.top_logprobs or 0)
 
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """As vLLM: "tool_calls" when an auto or required choice called a tool and stopped
+        (a named choice keeps "stop", as OpenAI's; a cut-off call keeps "length")."""
+        called = self.parsers[index].called and self.plan.mode in ("auto", "required")
+        return "tool_calls" if called and reason == "stop" else reason
+
     async def collect(self, results: AsyncIterator) -> ChatCompletionResponse:
         async for _, output in results:
             if output.prompt_logprobs is not None:
                 self.prompt_logprobs = output.prompt_logprobs
             for delta in output.outputs:
                 self.choices[delta.index].add(delta)
-        choices = [
-            ChatCompletionResponseChoice(
-                index=i,
-                message=ChatResponseMessage(
-                    role="assistant", content=self.echo + "".join(state.text)
-                ),
-                logprobs=self._logprobs(state.logprobs),
-                finish_reason=state.finish_reason,
-                stop_reason=state.stop_reason,
+                self.parsers[delta.index].step(delta.text, delta.finish_reason is not None)
+        choices = []
+        for i, state in sorted(self.choices.items()):
+            parsed = self.parsers[i].message()
+            content = parsed.content
+            if self.echo:
+                content = self.echo + (content or "")
+            message = ChatResponseMessage(
+                role="assistant",
+                content=content,
+                reasoning=parsed.reasoning,
+                tool_calls=parsed.tool_calls,
             )
-            for i, state in sorted(self.choices.items())
-        ]
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self._logprobs(state.logprobs),
+                    finish_reason=self._finish_reason(i, state.finish_reason),
+                    stop_reason=state.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
@@ -183,8 +230,10 @@ class _ChatRun:
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options and options.continuous_usage_stats)
         try:
+            # as OpenAI's: a reply that may be tool calls starts with content null, not ""
+            parsed = self.plan.parser is not None or self.serving.tool_config.reasoning_parser
             for i in range(self.req.n):
-                role = DeltaMessage(role="assistant", content="")
+                role = DeltaMessage(role="assistant", content=None if parsed else "")
                 yield sse(self._chunk(i, role, None, None))
             for i in range(self.req.n if self.echo else 0):
                 yield sse(self._chunk(i, DeltaMessage(content=self.echo), None, None))
@@ -211,11 +260,17 @@ class _ChatRun:
     def _delta_chunk(self, delta: CompletionOutput) -> ChatCompletionStreamResponse | None:
         pairs = self.choices[delta.index].add(delta)
         logprobs = self._logprobs(pairs)
-        if not delta.text and delta.finish_reason is None and not pairs:
+        new = self.parsers[delta.index].step(delta.text, delta.finish_reason is not None)
+        if not new and delta.finish_reason is None and not pairs:
             return None
-        message = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-        choice = self._chunk(delta.index, message, logprobs, delta)
-        return choice
+        fields: dict = {}
+        if new.reasoning:
+            fields["reasoning"] = new.reasoning
+        if new.content:
+            fields["content"] = new.content
+        if new.tool_calls:
+            fields["tool_calls"] = new.tool_calls
+        return self._chunk(delta.index, DeltaMessage(**fields), logprobs, delta)
 
     def _chunk(
         self,
@@ -224,7 +279,9 @@ class _ChatRun:
         logprobs: ChatCompletionLogProbs | None,
         delta: CompletionOutput | None,
     ) -> ChatCompletionStreamResponse:
-        finish = None if delta is None or delta.finish_reason is None else str(delta.finish_reason)
+        finish = None
+        if delta is not None and delta.finish_reason is not None:
+            finish = self._finish_reason(index, str(delta.finish_reason))
         choice = ChatCompletionResponseStreamChoice(
             index=index,
             delta=message,

@@ -18,17 +18,27 @@ from kvflow.transfer import to_device
 
 
 class GrammarState:
-    """One request's grammar matcher and how many of its output tokens it accepted."""
+    """One request's grammar matcher and how many of its output tokens it accepted. With
+    `start_after` (a reasoning section's closing token ids) it is `waiting` until the output
+    holds them: those tokens are free, and the grammar applies from the next one."""
 
-    __slots__ = ("compiled", "matcher", "num_accepted")
+    __slots__ = ("compiled", "matcher", "num_accepted", "start_after", "waiting", "_tail")
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, start_after: tuple[int, ...] = ()) -> None:
         self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
+        self.start_after = start_after
+        self.waiting = bool(start_after)
+        self._tail: list[int] = []
 
     def accept(self, token_id: int) -> bool:
         """Advance with a sampled token; False when the grammar does not allow it."""
+        if self.waiting:
+            self._tail = [*self._tail, token_id][-len(self.start_after) :]
+            self.waiting = tuple(self._tail) != self.start_after
+            self.num_accepted += 1
+            return True
         if not self.matcher.accept_token(token_id):
             return False
         self.num_accepted += 1
@@ -46,6 +56,8 @@ class GrammarState:
             return True
         self.matcher = xgr.GrammarMatcher(self.compiled)
         self.num_accepted = 0
+        self.waiting = bool(self.start_after)
+        self._tail = []
         return all(self.accept(t) for t in output_token_ids)
 
 
@@ -75,7 +87,10 @@ class GrammarMasker:
             self._host = torch.empty((size, self.words), dtype=torch.int32)
         bitmask = self._host[:num_rows]
         bitmask.fill_(-1)
-        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
+        active = [(r, s.matcher) for r, s in zip(rows, states, strict=True) if not s.waiting]
+        if active:  # a waiting row (still reasoning) keeps all ones
+            matchers = [m for _, m in active]
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, [r for r, _ in active])
         view = bitmask.numpy().view(np.uint32)
         for row, ids in (blocked or {}).items():
             for t in ids:

@@ -133,7 +133,8 @@ class ModelRunner:
                     gen.manual_seed(params.seed)
                 state = CachedRequestState(params, gen, row)
                 if new.grammar is not None:
-                    state.grammar = GrammarState(new.grammar)
+                    start = tuple(params.reasoning_end_ids or ())
+                    state.grammar = GrammarState(new.grammar, start)
                 self.requests[new.req_id] = state
                 if params.prompt_logprobs is not None:
                     self._prompt_logprobs_due.add(new.req_id)
