@@ -12,11 +12,11 @@ import json
 import openai
 import pytest
 import uvicorn
-from support.fake_engine import SlowRunner, make_llm_engine
-from support.serverproc import free_port
 
 from kvflow.server.api_server import _Server, build_app
 from kvflow.server.args import add_serve_arguments
+from support.fake_engine import SlowRunner, make_llm_engine
+from support.serverproc import free_port
 
 THINK = "<think>\nThe user wants 3 + 4.\n</think>\n\nThe answer is 7."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

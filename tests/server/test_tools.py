@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
+
 from support.serverproc import ServerProcess, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
