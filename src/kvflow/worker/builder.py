@@ -11,6 +11,8 @@ import torch
 from kvflow.attention import AttentionBackend, AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from kvflow.engine.perf import ModelShape
+from kvflow.kv_events import make_publisher
 from kvflow.model import cpu_kernels
 from kvflow.model.layers import prepack_for_cpu
 from kvflow.model.loader import (
@@ -251,6 +253,8 @@ def build_engine(cls, args, log_steps: bool):
         async_scheduling=(
             device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         ),
+        model_shape=ModelShape.from_hf_config(hf_config, dtype.itemsize),
+        kv_events=make_publisher(args.kv_events_config, args.block_size),
     )
 
 

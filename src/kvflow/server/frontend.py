@@ -1,0 +1,155 @@
+"""The HTTP front end's deployment options, with vLLM's flag names: CORS
+(`--allowed-origins` ...), `X-Request-Id` on every response (`--enable-request-id-headers`),
+a request-body size limit (`--max-request-body-bytes`: 413 at once, never a hang), and the
+periodic stats log line (off with `--disable-log-stats`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvflow.engine.async_stats import IterationStats
+from kvflow.server.http import error_json
+from kvflow.server.serving import ServingError
+
+logger = logging.getLogger("kvflow.server")
+
+
+def install_frontend(app: FastAPI, args) -> None:
+    """Middleware in the order a request meets it: body limit, request id, CORS."""
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+    )
+    if args.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    if args.max_request_body_bytes:
+        app.add_middleware(BodyLimitMiddleware, limit=args.max_request_body_bytes)
+
+
+class RequestIdMiddleware:
+    """Echoes the request's `X-Request-Id` on the response, or makes one (uuid4 hex)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """A body over `limit` bytes gets a 413: at once from its Content-Length, else as soon as
+    the streamed (chunked) body passes the limit, without reading the rest."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"Request body too large: the limit is {self.limit} bytes."
+        response = error_json(ServingError(message, 413))
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+
+class LoggingStatLogger:
+    """vLLM's periodic log line: throughputs over the interval, queue and KV-cache usage, the
+    prefix-cache hit rate. Logs only intervals that saw work."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._reset()
+
+    def _reset(self) -> None:
+        self._start = time.monotonic()
+        self._prompt = self._generation = self._queries = self._hits = 0
+        self._active = False
+
+    def record(self, stats: IterationStats) -> None:
+        self._prompt += stats.num_prompt_tokens
+        self._generation += stats.num_generation_tokens
+        self._queries += stats.prefix_cache_queries
+        self._hits += stats.prefix_cache_hits
+        self._active = self._active or stats.num_iteration_tokens is not None
+        now = time.monotonic()
+        if now - self._start < self.interval:
+            return
+        if self._active:
+            elapsed, engine = now - self._start, stats.engine
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+                "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                self._prompt / elapsed,
+                self._generation / elapsed,
+                engine.num_running,
+                engine.num_waiting,
+                100 * engine.kv_cache_usage,
+                100 * self._hits / self._queries if self._queries else 0.0,
+            )
+        self._reset()
+
+
+class StatLoggers:
+    """Several StatLoggers behind one `record`."""
+
+    def __init__(self, *loggers) -> None:
+        self.loggers = [x for x in loggers if x is not None]
+
+    def record(self, stats: IterationStats) -> None:
+        for stat_logger in self.loggers:
+            stat_logger.record(stats)
