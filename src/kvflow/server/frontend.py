@@ -56,13 +56,9 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
-    """A body over `limit` bytes gets a 413: at once from its Content-Length, else as soon as
-    the streamed (chunked) body passes the limit, without reading the rest."""
+    """A body over `limit` bytes gets a 413: at once from its Content-Length; a body without
+    one (chunked) is read here, up to the limit, before the app sees it."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -73,31 +69,30 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         length = Headers(scope=scope).get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await self._refuse(scope, receive, send)
-            return
-        seen = 0
-        started = False
-
-        async def counted_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _TooLarge:
-            if not started:
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
                 await self._refuse(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        buffered: list[Message] = []
+        seen = 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"Request body too large: the limit is {self.limit} bytes."
