@@ -134,7 +134,7 @@ def test_completions_and_chat_streaming_and_not_through_the_router(cluster):
     assert sum(gained) == 8 and all(g >= 2 for g in gained), gained  # round robin: both
 
 
-STREAM_TOKENS = 200
+STREAM_TOKENS = 96
 
 
 def _stream_tokens(client: openai.OpenAI, progress: list, results: list, index: int) -> None:
