@@ -107,6 +107,22 @@ class _Server(uvicorn.Server):
         self.controller.on_signal(sig)
 
 
+def _metrics(engine: LLMEngine, args: argparse.Namespace, name: str) -> ServerMetrics:
+    return ServerMetrics(
+        name,
+        engine.config,
+        args.gpu_memory_utilization,
+        getattr(args, "num_blocks", None),
+        getattr(args, "kv_cache_memory", None),
+    )
+
+
+def _stat_loggers(metrics: ServerMetrics, args: argparse.Namespace) -> StatLoggers:
+    """/metrics, and the periodic log line unless --disable-log-stats."""
+    log_stats = None if getattr(args, "disable_log_stats", True) else LoggingStatLogger()
+    return StatLoggers(metrics, log_stats)
+
+
 def build_app(
     engine: LLMEngine,
     args: argparse.Namespace,
@@ -114,17 +130,10 @@ def build_app(
 ) -> tuple[FastAPI, ShutdownController]:
     """The app over `engine`; the engine thread starts and stops with the app's lifespan."""
     names = args.served_model_name or [engine.model_name]
-    metrics = ServerMetrics(
-        names[0],
-        engine.config,
-        args.gpu_memory_utilization,
-        getattr(args, "num_blocks", None),
-        getattr(args, "kv_cache_memory", None),
-    )
-    log_stats = None if getattr(args, "disable_log_stats", True) else LoggingStatLogger()
+    metrics = _metrics(engine, args, names[0])
     async_engine = AsyncEngine(
         engine,
-        stat_logger=StatLoggers(metrics, log_stats),
+        stat_logger=_stat_loggers(metrics, args),
         max_num_queued_reqs=args.max_num_queued_reqs,
         watchdog_timeout=args.watchdog_timeout,
     )
@@ -170,8 +179,7 @@ def build_app(
     install_openapi(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    if hasattr(args, "allowed_origins"):
-        install_frontend(app, args)
+    install_frontend(app, args)
     return app, controller
 
 

@@ -96,16 +96,10 @@ class ServerMetrics:
             "kvflow:stuck_requests_failed",
             "Requests failed because they could never be scheduled (a broken invariant).",
         )
-        self._success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            [*_LABELS, "finished_reason"],
-            registry=self.registry,
-        )
-        for reason in _FINISH_REASONS:
-            self._success.labels(*self._values, reason)
+        self._success = self._finish_reasons()
         self._histograms(config.max_model_len)
         self._vllm_032_counters()
+        self._vllm_032_histograms(config.max_model_len)
         self._legacy_names()
         self.info = InfoMetrics(self.registry, _LABELS, self._values)
         register_cache_config(
@@ -114,6 +108,17 @@ class ServerMetrics:
                 config, gpu_memory_utilization, num_blocks_override, kv_cache_memory
             ),
         )
+
+    def _finish_reasons(self) -> Counter:
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*_LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in _FINISH_REASONS:
+            success.labels(*self._values, reason)
+        return success
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, _LABELS, registry=self.registry).labels(*self._values)
@@ -183,11 +188,6 @@ class ServerMetrics:
             "Histogram of the max_tokens request parameter.",
             token_buckets,
         )
-        self.prefill_kv_computed = histogram(
-            "vllm:request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            token_buckets,
-        )
         self.max_generation_tokens = histogram(
             "vllm:request_max_num_generation_tokens",
             "Histogram of maximum number of requested generation tokens.",
@@ -239,6 +239,11 @@ class ServerMetrics:
             registry=self.registry,
         ).labels(self._values[0], "max_num_queued_reqs")
         self._rejections_seen = 0
+
+    def _vllm_032_histograms(self, max_model_len: int) -> None:
+        """The perf estimates, the KV-event drops and the per-request histograms vLLM 0.32
+        added."""
+        counter = self._counter
         self.perf = [
             counter(
                 f"vllm:estimated_{what}_per_gpu",
@@ -254,11 +259,15 @@ class ServerMetrics:
             "kvflow:kv_events_dropped",
             "KV-event batches dropped because the publisher's queue was full.",
         )
-        buckets = [0, 1, 2, 3, 4, 5, 10, 20, 50]
         self.request_preemptions = self._histogram(
             "vllm:request_num_preemptions",
             "Histogram of the number of times a request was preempted.",
-            buckets,
+            [0, 1, 2, 3, 4, 5, 10, 20, 50],
+        )
+        self.prefill_kv_computed = self._histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            build_1_2_5_buckets(max_model_len),
         )
 
     def _legacy_names(self) -> None:
