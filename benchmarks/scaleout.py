@@ -29,7 +29,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
-TOPICS = ["a shipping company", "a hospital", "a public library", "a bicycle repair shop"]
+TOPICS = ["a shipping company", "a hospital", "a public library", "a bicycle repair shop",
+          "a bakery", "a law firm", "a football club", "a museum", "a ferry line",
+          "a dental clinic", "a bookshop", "a hotel", "a school", "a zoo", "a garden centre",
+          "a train operator"]  # fmt: skip
 
 
 def free_port() -> int:
@@ -83,10 +86,10 @@ def start_router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def workload(num_requests: int, prompt_words: int, seed: int) -> list[list[dict]]:
+def workload(num_requests: int, prompt_words: int, num_systems: int, seed: int) -> list[list[dict]]:
     rng = random.Random(seed)
     systems = []
-    for topic in TOPICS:
+    for topic in TOPICS[:num_systems]:
         rules = " ".join(
             f"Rule {i}: answer questions about {topic} politely, with facts, in short sentences."
             for i in range(prompt_words // 12)
@@ -185,10 +188,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompt-words", type=int, default=400)
+    parser.add_argument(
+        "--systems", type=int, default=4, help=f"shared system prompts (<= {len(TOPICS)})"
+    )
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    prompts = workload(args.requests, args.prompt_words, seed=0)
+    prompts = workload(args.requests, args.prompt_words, args.systems, seed=0)
     results = [
         run_config("1 replica", 1, None, args, prompts),
         run_config("2 replicas, round_robin", 2, "round_robin", args, prompts),
