@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvflow.core.hashing import BlockHash
+from kvflow.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
 NULL_BLOCK_ID = 0
 
@@ -42,6 +43,22 @@ class BlockPool:
         )
         self._free_cached: OrderedDict[int, KVCacheBlock] = OrderedDict()  # oldest first
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self.events: list[KVEvent] | None = None  # None: not recording (`record_events`)
+
+    def record_events(self) -> None:
+        """From now on, append a KV event for every change to the prefix cache."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (the caller owns them)."""
+        events, self.events = self.events, ([] if self.events is not None else None)
+        return events or []
+
+    @property
+    def cached_hashes(self) -> set[BlockHash]:
+        """Every hash in the prefix cache now (what a KV-event subscriber should hold)."""
+        return set(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,14 +98,16 @@ class BlockPool:
                 del self._free_cached[block.block_id]
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its hash. A hash that is already cached keeps its block."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash. A hash that is already cached keeps its block.
+        Returns whether the hash entered the cache now (the caller records BlockStored)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return  # an identical block exists; this one stays uncached
+            return False  # an identical block exists; this one stays uncached
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference each, in the order given (callers pass a request's blocks in
@@ -118,12 +137,16 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         while self._free_cached:
             bid, block = self._free_cached.popitem(last=False)
             self._free_uncached[bid] = block
 
     def _evict(self, block: KVCacheBlock) -> None:
         del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.append(BlockRemoved([block.block_hash]))
         block.block_hash = None
 
     def check_invariants(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvflow.core.block_pool import BlockPool, KVCacheBlock
 from kvflow.core.hashing import BlockHash, hash_full_blocks
+from kvflow.core.kv_events import BlockStored
 from kvflow.core.request import Request
 
 
@@ -103,9 +104,32 @@ class KVCacheManager:
         if end <= start:
             return
         hashes = self._hashes(request)
+        stored: list[int] = []  # block indices that entered the cache now
         for i in range(start, end):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if self.pool.cache_block(blocks[i], hashes[i]):
+                stored.append(i)
         self._num_cached_blocks[request.request_id] = end
+        if stored and self.pool.events is not None:
+            self._record_stored(request, hashes, stored)
+
+    def _record_stored(self, request: Request, hashes: list[BlockHash], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive block indices (vLLM groups them so too)."""
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        tokens, size = request.all_token_ids, self.block_size
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.pool.events.append(
+                BlockStored(
+                    [hashes[i] for i in run],
+                    hashes[first - 1] if first else None,
+                    list(tokens[first * size : (last + 1) * size]),
+                )
+            )
 
     def uncache(self, request: Request) -> None:
         """Withdraw the request's blocks from the prefix cache: a request that failed in the

@@ -91,6 +91,7 @@ class EngineCoreOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # set on a request's first output token
+    num_preemptions: int = 0  # set on a request's terminal output
 
     @property
     def finished(self) -> bool:

@@ -245,6 +245,7 @@ class Scheduler:
             if req.is_finished:
                 self._free(req)
                 out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+                out.num_preemptions = req.num_preemptions
             outputs.append(out)
         return outputs
 
@@ -284,6 +285,7 @@ class Scheduler:
                     finish_reason=req.finish_reason,
                     error=error,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    num_preemptions=req.num_preemptions,
                 )
             )
         return outputs

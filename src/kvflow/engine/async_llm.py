@@ -123,6 +123,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._watchdog: StepWatchdog | None = None
         self._accepting = True
+        self.num_admission_rejections = 0  # --max-num-queued-reqs refusals (event loop only)
         self.dead_error: str | None = None
         self._released = asyncio.Event()
         self._dead = asyncio.Event()
@@ -166,6 +167,8 @@ class AsyncEngine:
         for thread in threads:
             if thread.is_alive():
                 logger.error("%s did not stop within %.0f s", thread.name, timeout)
+        if not self._thread_alive():
+            self.engine.close()
 
     def threads_alive(self) -> bool:
         watchdog = self._watchdog is not None and self._watchdog.alive
@@ -231,6 +234,7 @@ class AsyncEngine:
         with self._cond:
             limit = self.max_num_queued_reqs
             if limit is not None and self._num_queued(adding=1) > limit:
+                self.num_admission_rejections += 1
                 raise EngineUnavailableError(
                     f"The request queue is full ({limit} requests waiting, "
                     "--max-num-queued-reqs). Retry later.",

@@ -38,6 +38,12 @@ class FinishedRequestStats:
     n: int = 1
     max_tokens: int | None = None
     max_choice_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
+
+    @property
+    def prefill_kv_computed_tokens(self) -> int:
+        return max(self.num_prompt_tokens - self.num_cached_tokens, 0)
 
 
 @dataclass
@@ -47,6 +53,7 @@ class IterationStats:
     engine: EngineStats
     num_iteration_tokens: int | None = None  # None when no step ran in this pass
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # of num_prompt_tokens, read from the prefix cache
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
@@ -54,6 +61,10 @@ class IterationStats:
     num_stuck_failures: int = 0
     num_grammar_failures: int = 0  # requests failed by their output constraint
     grammar_compile_times: list[float] = field(default_factory=list)  # per constrained request
+    estimated_flops: int = 0
+    estimated_read_bytes: int = 0
+    estimated_write_bytes: int = 0
+    kv_events_dropped: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
@@ -72,6 +83,8 @@ class _Track:
     scheduled_at: float | None = None
     first_token: float | None = None
     last_token: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
     per_choice: dict[int, int] = field(default_factory=dict)  # choice index -> its tokens
 
 
@@ -121,6 +134,10 @@ class StatsTracker:
             prefix_cache_queries=engine.prefix_cache_queries - prev.prefix_cache_queries,
             prefix_cache_hits=engine.prefix_cache_hits - prev.prefix_cache_hits,
             num_stuck_failures=engine.num_stuck_failures - prev.num_stuck_failures,
+            estimated_flops=engine.estimated_flops - prev.estimated_flops,
+            estimated_read_bytes=engine.estimated_read_bytes - prev.estimated_read_bytes,
+            estimated_write_bytes=engine.estimated_write_bytes - prev.estimated_write_bytes,
+            kv_events_dropped=engine.kv_events_dropped - prev.kv_events_dropped,
         )
         for output in outputs:
             self._observe(stats, output, now, now if step_start is None else step_start)
@@ -133,6 +150,7 @@ class StatsTracker:
         if track is None:
             return
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        track.num_preemptions += output.metrics.get("num_preemptions", 0)
         for c in output.outputs:
             track.per_choice[c.index] = track.per_choice.get(c.index, 0) + len(c.token_ids)
         if new_tokens:
@@ -141,6 +159,8 @@ class StatsTracker:
                 track.first_token = now
                 stats.time_to_first_tokens.append(now - track.arrival)
                 stats.num_prompt_tokens += track.num_prompt_tokens
+                track.num_cached_tokens = min(output.num_cached_tokens, track.num_prompt_tokens)
+                stats.num_cached_prompt_tokens += track.num_cached_tokens
             else:
                 stats.inter_token_latencies.append(now - track.last_token)
             track.last_token = now
@@ -166,6 +186,8 @@ class StatsTracker:
                     n=track.n,
                     max_tokens=track.max_tokens,
                     max_choice_tokens=longest,
+                    num_preemptions=track.num_preemptions,
+                    num_cached_tokens=track.num_cached_tokens,
                 )
             )
 

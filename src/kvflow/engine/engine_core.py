@@ -23,8 +23,17 @@ from kvflow.config import EngineConfig
 from kvflow.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
+from kvflow.engine.perf import ModelShape, step_perf
 
 logger = logging.getLogger("kvflow.engine")
+
+
+class KVEventSink(Protocol):
+    num_dropped: int
+
+    def publish(self, records: list) -> None:
+        """Take one step's KV events (core/kv_events records); must not block."""
+        ...
 
 
 class Runner(Protocol):
@@ -44,6 +53,11 @@ class EngineStats:
     prefix_cache_hits: int
     num_stuck_failures: int
     num_steps: int
+    # Cumulative estimates from the model's shape (vLLM's perf counters); 0 without a shape.
+    estimated_flops: int = 0
+    estimated_read_bytes: int = 0
+    estimated_write_bytes: int = 0
+    kv_events_dropped: int = 0  # KV-event batches the publisher's full queue dropped
 
 
 class EngineCore:
@@ -53,6 +67,8 @@ class EngineCore:
         runner: Runner,
         log_steps: bool = False,
         async_scheduling: bool = False,
+        model_shape: ModelShape | None = None,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -63,6 +79,11 @@ class EngineCore:
         self.num_stuck_failures = 0
         self.num_steps = 0
         self.last_step_tokens = 0  # tokens scheduled by the latest step (iteration_tokens)
+        self.model_shape = model_shape
+        self.perf_totals = [0, 0, 0]  # flops, read bytes, write bytes
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.scheduler.kv.pool.record_events()
 
     def add_request(self, request: Request) -> None:
         """Raises ValueError when the request could never be served."""
@@ -116,6 +137,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.num_steps += 1
         self.last_step_tokens = sched.total_num_scheduled_tokens
+        self._account(sched)
         wait = None if sched.is_empty else self.runner.launch(sched)
         # Nothing scheduled: with a step in flight its output will change that; with none the
         # queue head can never run (checked now, while the state is the one that failed).
@@ -143,6 +165,15 @@ class EngineCore:
             return outputs
 
         return finish
+
+    def _account(self, sched: SchedulerOutput) -> None:
+        """The step's perf estimates, and the KV events its scheduling recorded (published
+        now: the publisher only enqueues)."""
+        if self.model_shape is not None and not sched.is_empty:
+            for i, value in enumerate(step_perf(self.model_shape, sched)):
+                self.perf_totals[i] += value
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv.pool.take_events())
 
     def _fail_stuck_head(self) -> list[EngineCoreOutput]:
         """Liveness point 4: nothing scheduled, nothing running, yet requests wait. The head can
@@ -173,4 +204,8 @@ class EngineCore:
             prefix_cache_hits=sch.kv.prefix_cache_hits,
             num_stuck_failures=self.num_stuck_failures,
             num_steps=self.num_steps,
+            estimated_flops=self.perf_totals[0],
+            estimated_read_bytes=self.perf_totals[1],
+            estimated_write_bytes=self.perf_totals[2],
+            kv_events_dropped=self.kv_events.num_dropped if self.kv_events is not None else 0,
         )

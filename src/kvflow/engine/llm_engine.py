@@ -12,9 +12,10 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
-from kvflow.engine.engine_core import EngineCore, EngineStats, Runner
+from kvflow.engine.engine_core import EngineCore, EngineStats, KVEventSink, Runner
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.pending_grammars import PendingGrammars
+from kvflow.engine.perf import ModelShape
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.config import StructuredOutputsConfig
@@ -47,6 +48,7 @@ class EngineArgs:
     # vLLM's --structured-outputs-config (a StructuredOutputsConfig, its dict or JSON text)
     structured_outputs_config: Any = None
     log_engine_steps: bool = False
+    kv_events_config: Any = None  # kvflow.kv_events.KVEventsConfig (--kv-events-config)
     offline: bool = False  # made by `LLM` (vLLM's LLM_CLASS usage context), not a server
 
     def __post_init__(self) -> None:
@@ -79,6 +81,8 @@ class LLMEngine:
         generation_eos_ids: frozenset[int] = frozenset(),
         async_scheduling: bool = False,
         grammar: Any = None,
+        model_shape: ModelShape | None = None,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         """`grammar`: the GrammarBackend that compiles output constraints (None: requests
         with one are refused)."""
@@ -90,7 +94,14 @@ class LLMEngine:
         self.generation_eos_ids = generation_eos_ids - {eos_token_id}
         self.dtype_name = dtype_name
         self.device = device
-        self.core = EngineCore(config, runner, log_steps, async_scheduling)
+        self.core = EngineCore(
+            config,
+            runner,
+            log_steps,
+            async_scheduling,
+            model_shape=model_shape,
+            kv_events=kv_events,
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.grammar = grammar
         self.pending_grammars = PendingGrammars()
@@ -102,6 +113,13 @@ class LLMEngine:
 
         log_steps = args.log_engine_steps or os.environ.get("KVFLOW_LOG_ENGINE_STEPS") == "1"
         return build_engine(cls, args, log_steps)
+
+    def close(self) -> None:
+        """Release what outlives steps (the KV-event publisher's sockets and thread)."""
+        sink, self.core.kv_events = self.core.kv_events, None
+        close = getattr(sink, "close", None)
+        if close is not None:
+            close()
 
     @property
     def max_model_len(self) -> int:

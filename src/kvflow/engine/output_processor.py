@@ -120,6 +120,10 @@ class OutputProcessor:
                 ro.metrics.setdefault("first_scheduled_time", out.first_scheduled_time)
             if out.error:
                 ro.metrics["error"] = out.error
+            if out.num_preemptions:
+                ro.metrics["num_preemptions"] = (
+                    ro.metrics.get("num_preemptions", 0) + out.num_preemptions
+                )
         for parent, ro in deltas.values():
             ro.finished = parent.finished
             if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:

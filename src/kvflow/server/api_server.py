@@ -30,6 +30,7 @@ from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.paths import remove_scratch
 from kvflow.server.args import add_serve_arguments, check_serve_args, engine_args_from
+from kvflow.server.frontend import LoggingStatLogger, StatLoggers, install_frontend
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.metrics import ServerMetrics
 from kvflow.server.routes import ServerContext, router
@@ -107,6 +108,22 @@ class _Server(uvicorn.Server):
         self.controller.on_signal(sig)
 
 
+def _metrics(engine: LLMEngine, args: argparse.Namespace, name: str) -> ServerMetrics:
+    return ServerMetrics(
+        name,
+        engine.config,
+        args.gpu_memory_utilization,
+        getattr(args, "num_blocks", None),
+        getattr(args, "kv_cache_memory", None),
+    )
+
+
+def _stat_loggers(metrics: ServerMetrics, args: argparse.Namespace) -> StatLoggers:
+    """/metrics, and the periodic log line unless --disable-log-stats."""
+    log_stats = None if getattr(args, "disable_log_stats", True) else LoggingStatLogger()
+    return StatLoggers(metrics, log_stats)
+
+
 def build_app(
     engine: LLMEngine,
     args: argparse.Namespace,
@@ -114,10 +131,10 @@ def build_app(
 ) -> tuple[FastAPI, ShutdownController]:
     """The app over `engine`; the engine thread starts and stops with the app's lifespan."""
     names = args.served_model_name or [engine.model_name]
-    metrics = ServerMetrics(names[0], engine.config, args.gpu_memory_utilization)
+    metrics = _metrics(engine, args, names[0])
     async_engine = AsyncEngine(
         engine,
-        stat_logger=metrics,
+        stat_logger=_stat_loggers(metrics, args),
         max_num_queued_reqs=args.max_num_queued_reqs,
         watchdog_timeout=args.watchdog_timeout,
     )
@@ -129,6 +146,7 @@ def build_app(
         request_timeout=args.request_timeout,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         trust_request_chat_template=args.trust_request_chat_template,
+        max_log_len=getattr(args, "max_log_len", None),
     )
     ctx = ServerContext(
         engine=async_engine,
@@ -150,13 +168,19 @@ def build_app(
 
     from kvflow import __version__
 
-    app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="kvflow",
+        version=__version__,
+        lifespan=lifespan,
+        root_path=getattr(args, "root_path", None) or "",
+    )
     app.state.ctx = ctx
     app.include_router(router)
     install_error_handlers(app)
     install_openapi(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    install_frontend(app, args)
     return app, controller
 
 
@@ -179,7 +203,8 @@ def _configure_logging() -> None:
 
 def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
     cache = engine.config.cache
-    url = f"http://{args.host}:{args.port}"
+    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{scheme}://{args.host}:{args.port}{args.root_path or ''}"
     print(
         f"kvflow: KV cache {cache.num_blocks} blocks x {cache.block_size} tokens "
         f"(block 0 reserved) = {cache.servable_tokens} servable tokens; "
@@ -239,6 +264,10 @@ def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=_GRACEFUL_S,
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
     )
     server = _Server(config, controller)
     controller.server = server

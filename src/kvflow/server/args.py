@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 
 from kvflow.engine.llm_engine import EngineArgs
+from kvflow.kv_events import KVEventsConfig
 from kvflow.structured.config import StructuredOutputsConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -186,6 +188,58 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    _add_deployment_flags(p)
+
+
+def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """What a deployment behind a proxy, a router or a gateway sets (vLLM's names)."""
+    p.add_argument("--root-path", default=None, help="the path prefix a proxy serves under")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS, JSON list")
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS, JSON list")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS, JSON list")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key ...")
+    p.add_argument("--ssl-certfile", default=None, help="... and this certificate")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client certs")
+    p.add_argument("--enable-request-id-headers", action="store_true", help="X-Request-Id")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    p.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="with --enable-log-requests: log at most this many prompt characters and ids",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=32 << 20,
+        help="a larger request body gets a 413 (default 32MiB; 0: no limit)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        help='publish KV-cache events, vLLM\'s JSON: {"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ...}',
+    )
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM takes the CORS flags as JSON lists (`'["*"]'`); a bare word is a one-item list."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return [text]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _non_negative(text: str) -> float:
@@ -229,4 +283,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         chat_template=args.chat_template,
         structured_outputs_config=structured_outputs_config(args),
         log_engine_steps=args.log_engine_steps,
+        kv_events_config=args.kv_events_config,
     )

@@ -15,6 +15,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvflow.config import EngineConfig
 from kvflow.engine.async_stats import IterationStats
+from kvflow.server.metrics_info import InfoMetrics, cache_config_labels, register_cache_config
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
@@ -49,7 +50,14 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, config: EngineConfig, gpu_memory_utilization: float):
+    def __init__(
+        self,
+        model_name: str,
+        config: EngineConfig,
+        gpu_memory_utilization: float,
+        num_blocks_override: int | None = None,
+        kv_cache_memory: int | None = None,
+    ):
         self.registry = CollectorRegistry()
         self._values = (model_name, "0")
         gauge, counter = self._gauge, self._counter
@@ -90,16 +98,29 @@ class ServerMetrics:
             "Requests failed because they could never be scheduled (a broken invariant).",
         )
         self._structured_output_metrics()
-        self._success = Counter(
+        self._success = self._finish_reasons()
+        self._histograms(config.max_model_len)
+        self._vllm_032_counters()
+        self._vllm_032_histograms(config.max_model_len)
+        self._legacy_names()
+        self.info = InfoMetrics(self.registry, _LABELS, self._values)
+        register_cache_config(
+            self.registry,
+            cache_config_labels(
+                config, gpu_memory_utilization, num_blocks_override, kv_cache_memory
+            ),
+        )
+
+    def _finish_reasons(self) -> Counter:
+        success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*_LABELS, "finished_reason"],
             registry=self.registry,
         )
         for reason in _FINISH_REASONS:
-            self._success.labels(*self._values, reason)
-        self._histograms(config.max_model_len)
-        self._cache_info(config, gpu_memory_utilization)
+            success.labels(*self._values, reason)
+        return success
 
     def _structured_output_metrics(self) -> None:
         self.grammar_failed = self._counter(
@@ -194,23 +215,101 @@ class ServerMetrics:
             token_buckets,
         )
 
-    def _cache_info(self, config: EngineConfig, gpu_memory_utilization: float) -> None:
-        info = {
-            "block_size": str(config.cache.block_size),
-            "num_gpu_blocks": str(config.cache.num_blocks),
-            "num_cpu_blocks": "None",
-            "enable_prefix_caching": str(config.cache.enable_prefix_caching),
-            "cache_dtype": "auto",
-            "gpu_memory_utilization": str(gpu_memory_utilization),
-            "engine": "0",
-        }
-        gauge = Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            list(info),
+    def _vllm_032_counters(self) -> None:
+        counter = self._counter
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        )
+        counter(
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items.",
+        )
+        counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*_LABELS, "source"],
             registry=self.registry,
         )
-        gauge.labels(**info).set(1)
+        self.prompt_computed = by_source.labels(*self._values, "local_compute")
+        self.prompt_cache_hit = by_source.labels(*self._values, "local_cache_hit")
+        by_source.labels(*self._values, "external_kv_transfer")
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local "
+            "HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM "
+            "instance) or external_unspecified.",
+            [*_LABELS, "source"],
+            registry=self.registry,
+        )
+        self.prompt_cached_device = cached_by_source.labels(*self._values, "device")
+        self._rejections = Counter(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        ).labels(self._values[0], "max_num_queued_reqs")
+        self._rejections_seen = 0
+
+    def _vllm_032_histograms(self, max_model_len: int) -> None:
+        """The perf estimates, the KV-event drops and the per-request histograms vLLM 0.32
+        added."""
+        counter = self._counter
+        self.perf = [
+            counter(
+                f"vllm:estimated_{what}_per_gpu",
+                f"Estimated number of {doc} per GPU (for Model Flops Utilization calculations).",
+            )
+            for what, doc in (
+                ("flops", "floating point operations"),
+                ("read_bytes", "bytes read from memory"),
+                ("write_bytes", "bytes written to memory"),
+            )
+        ]
+        self.kv_events_dropped = counter(
+            "kvflow:kv_events_dropped",
+            "KV-event batches dropped because the publisher's queue was full.",
+        )
+        self.request_preemptions = self._histogram(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            [0, 1, 2, 3, 4, 5, 10, 20, 50],
+        )
+        self.prefill_kv_computed = self._histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            build_1_2_5_buckets(max_model_len),
+        )
+
+    def _legacy_names(self) -> None:
+        """The pre-v1 names the vLLM production-stack router still scrapes."""
+        self.legacy_usage = self._gauge(
+            "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."
+        )
+        self.legacy_queries = self._counter(
+            "vllm:gpu_prefix_cache_queries",
+            "GPU prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.legacy_hits = self._counter(
+            "vllm:gpu_prefix_cache_hits",
+            "GPU prefix cache hits, in terms of number of cached tokens.",
+        )
+
+    def sync_front_end(self, admission_rejections: int) -> None:
+        """Counters kept by the API process (AsyncEngine), read when /metrics is scraped."""
+        if admission_rejections > self._rejections_seen:
+            self._rejections.inc(admission_rejections - self._rejections_seen)
+            self._rejections_seen = admission_rejections
 
     def record(self, stats: IterationStats) -> None:
         """Called by the engine loop after every pass (thread-safe: prometheus_client locks)."""
@@ -225,6 +324,22 @@ class ServerMetrics:
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
+        self.legacy_usage.set(engine.kv_cache_usage)
+        self.legacy_queries.inc(stats.prefix_cache_queries)
+        self.legacy_hits.inc(stats.prefix_cache_hits)
+        cached = stats.num_cached_prompt_tokens
+        self.prompt_cached.inc(cached)
+        self.prompt_cached_device.inc(cached)
+        self.prompt_cache_hit.inc(cached)
+        self.prompt_computed.inc(stats.num_prompt_tokens - cached)
+        for counter, value in zip(
+            self.perf,
+            (stats.estimated_flops, stats.estimated_read_bytes, stats.estimated_write_bytes),
+            strict=True,
+        ):
+            counter.inc(value)
+        self.kv_events_dropped.inc(stats.kv_events_dropped)
+        self.info.touch()
         self.stuck_failed.inc(stats.num_stuck_failures)
         self.grammar_failed.inc(stats.num_grammar_failures)
         for seconds in stats.grammar_compile_times:
@@ -245,6 +360,8 @@ class ServerMetrics:
             self.phase_time["decode"].observe(done.decode_time)
             self.phase_time["inference"].observe(done.inference_time)
             self.tpot.observe(done.time_per_output_token)
+            self.request_preemptions.observe(done.num_preemptions)
+            self.prefill_kv_computed.observe(done.prefill_kv_computed_tokens)
             self.params_n.observe(done.n)
             self.max_generation_tokens.observe(done.max_choice_tokens)
             if done.max_tokens:

@@ -86,7 +86,9 @@ async def ping(request: Request) -> Response:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
 async def metrics(request: Request) -> Response:
-    return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    ctx = _ctx(request)
+    ctx.metrics.sync_front_end(ctx.engine.num_admission_rejections)
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/version", response_model=VersionResponse)

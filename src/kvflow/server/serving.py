@@ -153,8 +153,10 @@ class BaseServing:
         request_timeout: float | None = None,
         log_requests: bool = False,
         trust_request_chat_template: bool = False,
+        max_log_len: int | None = None,
     ) -> None:
         self.engine = engine
+        self.max_log_len = max_log_len
         self.served_names = served_names
         self.model_name = served_names[0]
         self.model_root = model_root
@@ -378,12 +380,15 @@ class BaseServing:
                 stream.abort()
             raise engine_error(exc) from exc
         if self.log_requests:
+            cut = self.max_log_len
             logger.info(
-                "request %s: %d prompt(s) of %s tokens, params %s",
+                "request %s: %d prompt(s) of %s tokens, params %s, prompt %r, ids %s",
                 request_id,
                 len(prompts),
                 [len(p.token_ids) for p in prompts],
                 checked[0],
+                (prompts[0].text or "")[:cut],
+                prompts[0].token_ids[:cut],
             )
         return streams
 

@@ -11,7 +11,9 @@ import torch
 from kvflow.attention import AttentionBackend, AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from kvflow.engine.perf import ModelShape
 from kvflow.kernels.cpu.build import native_available
+from kvflow.kv_events import make_publisher
 from kvflow.model.linear import prepack_for_cpu
 from kvflow.model.loader import (
     load_config,
@@ -215,6 +217,8 @@ def build_engine(cls, args, log_steps: bool):
             device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         ),
         grammar=grammar_backend(args, tokenizer, hf_config.vocab_size, eos, path),
+        model_shape=ModelShape.from_hf_config(hf_config, dtype.itemsize),
+        kv_events=make_publisher(args.kv_events_config, args.block_size),
     )
 
 
