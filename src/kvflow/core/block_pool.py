@@ -112,6 +112,17 @@ class BlockPool:
             bid, block = self._free_cached.popitem(last=False)
             self._free_uncached[bid] = block
 
+    def block_states(self) -> str:
+        """One character per block: `n` the null block, `.` free, `c` free with a prefix-cache
+        entry, `h` held. A pass over the free lists only."""
+        states = bytearray(b"h") * self.num_blocks
+        states[NULL_BLOCK_ID] = ord("n")
+        for block_id in self._free_uncached:
+            states[block_id] = ord(".")
+        for block_id in self._free_cached:
+            states[block_id] = ord("c")
+        return states.decode("ascii")
+
     def _evict(self, block: KVCacheBlock) -> None:
         del self._cached[block.block_hash]
         block.block_hash = None

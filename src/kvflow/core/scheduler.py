@@ -30,6 +30,7 @@ from kvflow.core.messages import (
     SchedulerOutput,
 )
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.snapshot import WAIT_BUDGET, WAIT_CAPACITY, WAIT_MAX_NUM_SEQS, EventLog
 
 
 def _arrival(req: Request) -> int:
@@ -49,6 +50,11 @@ class Scheduler:
         self._preempted: set[str] = set()  # preempted since the last step: the runner parks them
         self.head_blocked_on_kv = False
         self.num_preemptions_total = 0
+        # Why the queue did not move in the latest schedule (core/snapshot.py's WAIT_*), and
+        # the newest arrival it judged: later arrivals have not been tried yet.
+        self.waiting_reason: str | None = None
+        self.waiting_seen = -1
+        self.events = EventLog()
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -81,8 +87,12 @@ class Scheduler:
         num_tokens: dict[str, int] = {}
         preempted: list[Request] = []
         budget = self._schedule_running(budget, num_tokens, preempted)
+        if self.waiting:
+            self.waiting_seen = self.waiting[-1].arrival_seq
         if not preempted:
             self._schedule_waiting(budget, num_tokens)
+        else:
+            self.waiting_reason = WAIT_CAPACITY
         self.num_preemptions_total += len(preempted)
         if not num_tokens:  # nothing to launch: the runner hears of ended requests later
             return SchedulerOutput([], CachedRequestData(), {}, 0, num_preemptions=len(preempted))
@@ -117,7 +127,8 @@ class Scheduler:
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 self.head_blocked_on_kv = True
-                break
+                self.waiting_reason = WAIT_CAPACITY
+                return
             self.waiting.popleft()
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
@@ -128,6 +139,9 @@ class Scheduler:
             bisect.insort(self.running, req, key=_arrival)
             num_tokens[req.request_id] = n
             budget -= n
+        self.waiting_reason = (
+            None if not self.waiting else WAIT_BUDGET if budget <= 0 else WAIT_MAX_NUM_SEQS
+        )
 
     def _preempt(self, req: Request) -> None:
         """Recompute-mode preemption: free every block, reset the counter, back to the queue
@@ -140,6 +154,11 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         del self._runner_blocks[req.request_id]
+        self.events.record(
+            "preempted",
+            req.request_id,
+            f"out of KV blocks: freed its blocks; {req.num_tokens} tokens to recompute",
+        )
         self._preempted.add(req.request_id)
 
     def _make_output(self, num_tokens: dict[str, int], num_preemptions: int) -> SchedulerOutput:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.snapshot import EngineSnapshot
 from kvflow.engine.engine_core import EngineCore, EngineStats, Runner
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
@@ -198,3 +199,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The scheduler and KV pool as plain data; on the thread that steps, between steps."""
+        return self.core.snapshot()

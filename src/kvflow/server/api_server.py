@@ -30,8 +30,11 @@ from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.loader import remove_scratch
 from kvflow.server.args import add_serve_arguments, engine_args_from
+from kvflow.server.engine_view import SnapshotCache
+from kvflow.server.generation_defaults import default_sampling_params, parse_override
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.metrics import ServerMetrics
+from kvflow.server.page import install_page
 from kvflow.server.routes import ServerContext, router
 from kvflow.server.serving_chat import ChatServing
 from kvflow.server.serving_completion import CompletionServing
@@ -122,18 +125,25 @@ def build_app(
     )
     controller = ShutdownController(async_engine, args.shutdown_timeout)
     root = args.model or args.model_tag or engine.model_name
+    defaults = default_sampling_params(
+        getattr(args, "generation_config", "vllm"),
+        args.model or args.model_tag,
+        parse_override(getattr(args, "override_generation_config", None)),
+    )
     common = dict(
         served_names=list(names),
         model_root=root,
         request_timeout=args.request_timeout,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         trust_request_chat_template=args.trust_request_chat_template,
+        sampling_defaults=defaults,
     )
     ctx = ServerContext(
         engine=async_engine,
         completion=CompletionServing(async_engine, **common),
         chat=ChatServing(async_engine, **common),
         metrics=metrics,
+        snapshots=SnapshotCache(async_engine, names[0], defaults=defaults),
     )
 
     @asynccontextmanager
@@ -154,6 +164,8 @@ def build_app(
     app.include_router(router)
     install_error_handlers(app)
     install_openapi(app)
+    if not getattr(args, "disable_web_ui", False):
+        install_page(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app, controller
@@ -178,6 +190,8 @@ def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
     )
     names = ", ".join(args.served_model_name or [engine.model_name])
     print(f"kvflow: serving {names} at {url} (OpenAI API: {url}/v1)", flush=True)
+    if not getattr(args, "disable_web_ui", False):
+        print(f"kvflow: chat and live engine view: {url}/", flush=True)
 
 
 def _install_start_up_signals() -> None:
