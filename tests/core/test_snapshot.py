@@ -4,7 +4,6 @@ the events, scripted step by step with the fake runner."""
 from __future__ import annotations
 
 from fakes import FakeRunner
-
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvflow.core.request import Request
 from kvflow.engine.engine_core import EngineCore
@@ -111,6 +110,8 @@ def test_stuck_failure_is_an_event():
     snap = eng.snapshot()
     assert snap.num_stuck_failures == 1 and not snap.waiting
     (event,) = snap.events
-    assert event.kind == "stuck" and event.request_id == "big" and "cannot be scheduled" in (
-        event.message
+    assert (
+        event.kind == "stuck"
+        and event.request_id == "big"
+        and "cannot be scheduled" in (event.message)
     )

@@ -114,7 +114,9 @@ def build_app(
     args: argparse.Namespace,
     api_key: str | None = None,
 ) -> tuple[FastAPI, ShutdownController]:
-    """The app over `engine`; the engine thread starts and stops with the app's lifespan."""
+    """The app over `engine`; the engine thread starts and stops with the app's lifespan.
+    `api_key` defaults to `args.api_key`."""
+    api_key = api_key if api_key is not None else getattr(args, "api_key", None)
     names = args.served_model_name or [engine.model_name]
     metrics = ServerMetrics(names[0], engine.config, args.gpu_memory_utilization)
     async_engine = AsyncEngine(

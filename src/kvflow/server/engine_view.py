@@ -43,6 +43,7 @@ class SnapshotCache:
         since = time.time() - history_s
         return {
             "object": "kvflow.engine.snapshot",
+            "snapshot_seq": self.num_taken,
             "model": self.model_name,
             "healthy": live.healthy,
             "sampling_defaults": self.defaults,

@@ -3,8 +3,8 @@ creator recommends, applied as vLLM applies them.
 
 `auto` reads the model's `generation_config.json`; `vllm` uses none; a folder reads the one
 in that folder. Of that file only the sampling fields vLLM takes count (temperature, top_p,
-top_k, min_p, repetition_penalty; `max_new_tokens` becomes a cap on `max_tokens`), and only
-those that differ from transformers' defaults. A request's own value always wins; the defaults
+top_k, min_p, repetition_penalty; `max_new_tokens` becomes a cap on `max_tokens`), as
+transformers' `to_diff_dict` reports them. A request's own value always wins; the defaults
 fill the fields it leaves out. The embedded SmolLM2-135M-Instruct GGUF carries no generation
 config, so `auto` gives it its model card's recommendation (temperature 0.2, top_p 0.9).
 """
@@ -48,8 +48,8 @@ def _is_embedded(model: str | None) -> bool:
 
 
 def _read_folder(folder: Path) -> dict[str, Any]:
-    """The fields of `folder/generation_config.json` that differ from transformers' defaults
-    ({} when there is no such file, as vLLM)."""
+    """The fields `folder/generation_config.json` sets, as transformers reads them ({} when
+    there is no such file, as vLLM)."""
     if not (folder / "generation_config.json").is_file():
         return {}
     from transformers import GenerationConfig
