@@ -2,17 +2,14 @@
 live page reads (preemptions, stuck-request failures).
 
 `take_snapshot` runs on the thread that owns the scheduler, between steps. It copies what is
-there (one character per block, one row per request) and changes nothing, so its cost is a
-pass over the pool's free lists and the live requests.
+there and changes nothing: the pool's state string (kept up to date by the pool, so a copy)
+and one row per request, at most `max_requests` per list.
 
 Block states, one character each, block 0 first:
 
     n  the null block (reserved)        .  free, holds nothing
     c  free, holds a prefix-cache entry (evicted LRU when blocks run out)
     h  held by one request              s  held by more than one (a shared prefix)
-
-A block two requests hold counts once per holder in the pool's reference count; the snapshot
-finds those from the requests' block lists.
 """
 
 from __future__ import annotations
@@ -115,14 +112,6 @@ def take_snapshot(
     `max_requests` rows per list (the oldest first); the counts cover every request."""
     kv, now = scheduler.kv, time.monotonic()
     holders = kv.req_to_blocks
-    states = bytearray(kv.pool.block_states(), "ascii")
-    counts: dict[int, int] = {}
-    for blocks in holders.values():
-        for block in blocks:
-            counts[block.block_id] = counts.get(block.block_id, 0) + 1
-    for block_id, count in counts.items():
-        if count > 1:
-            states[block_id] = ord("s")
     running = [
         _view(r, "running", now, [b.block_id for b in holders.get(r.request_id, ())], None)
         for r in scheduler.running[:max_requests]
@@ -141,7 +130,7 @@ def take_snapshot(
         time=time.time(),
         num_blocks=kv.pool.num_blocks,
         block_size=kv.block_size,
-        blocks=states.decode("ascii"),
+        blocks=kv.pool.block_states(),
         running=running,
         waiting=waiting,
         waiting_by_reason=by_reason,
