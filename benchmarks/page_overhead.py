@@ -57,7 +57,9 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit("server did not start")
 
 
-def bench(url: str, num_prompts: int, seed: int) -> dict:
+def bench(
+    url: str, num_prompts: int, seed: int, input_len: int = 128, output_len: int = 128
+) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             sys.executable,
@@ -72,9 +74,9 @@ def bench(url: str, num_prompts: int, seed: int) -> dict:
             "--num-prompts",
             str(num_prompts),
             "--input-len",
-            "128",
+            str(input_len),
             "--output-len",
-            "128",
+            str(output_len),
             "--seed",
             str(seed),
             "--disable-tqdm",
@@ -156,6 +158,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--modes", default="closed,polled,browser")
     parser.add_argument("--out", default=None)
     parser.add_argument("server_args", nargs="*", help="extra `kvflow serve` flags (after --)")
@@ -170,7 +174,7 @@ def main() -> None:
             for mode in order:
                 with MODES[mode](url):
                     start = time.time()
-                    result = bench(url, args.num_prompts, seed=repeat)
+                    result = bench(url, args.num_prompts, repeat, args.input_len, args.output_len)
                     end = time.time()
                 ms, steps = step_time_ms(url, start + 1, end)
                 row = {"tok_s": result["output_throughput"], "step_ms": ms, "steps": steps}

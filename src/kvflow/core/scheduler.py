@@ -30,7 +30,15 @@ from kvflow.core.messages import (
     SchedulerOutput,
 )
 from kvflow.core.request import Request, RequestStatus
-from kvflow.core.snapshot import WAIT_BUDGET, WAIT_CAPACITY, WAIT_MAX_NUM_SEQS, EventLog
+from kvflow.core.snapshot import (
+    WAIT_BUDGET,
+    WAIT_CAPACITY,
+    WAIT_MAX_NUM_SEQS,
+    WAIT_NEW,
+    EngineSnapshot,
+    EventLog,
+    request_view,
+)
 
 
 def _arrival(req: Request) -> int:
@@ -290,3 +298,41 @@ class Scheduler:
         del self.requests[req.request_id]
         self._runner_blocks.pop(req.request_id, None)
         self._forget.add(req.request_id)  # the runner may hold it, running or preempted
+
+    # ---- the live view ---------------------------------------------------------------------
+
+    def snapshot(
+        self, num_steps: int, num_stuck_failures: int, max_requests: int = 256
+    ) -> EngineSnapshot:
+        """The state now, as plain data (core/snapshot.py); changes nothing. At most
+        `max_requests` rows per list (the oldest first); the counts cover every request."""
+        now = time.monotonic()
+        running = [
+            request_view(r, "running", now, self.kv.get_block_ids(r.request_id), None)
+            for r in self.running[:max_requests]
+        ]
+        by_reason: dict[str, int] = {}
+        waiting = []
+        for i, req in enumerate(self.waiting):
+            judged = req.arrival_seq <= self.waiting_seen
+            reason = (self.waiting_reason if judged else None) or WAIT_NEW
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+            if i < max_requests:
+                status = "preempted" if req.num_preemptions else "waiting"
+                waiting.append(request_view(req, status, now, [], reason))
+        return EngineSnapshot(
+            time=time.time(),
+            num_blocks=self.kv.pool.num_blocks,
+            block_size=self.kv.block_size,
+            blocks=self.kv.pool.block_states(),
+            running=running,
+            waiting=waiting,
+            waiting_by_reason=by_reason,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_steps=num_steps,
+            num_preemptions_total=self.num_preemptions_total,
+            num_stuck_failures=num_stuck_failures,
+            events=self.events.latest(),
+        )

@@ -1,7 +1,7 @@
 """A read-only picture of the scheduler and the KV pool, in plain data, and the event log the
 live page reads (preemptions, stuck-request failures).
 
-`take_snapshot` runs on the thread that owns the scheduler, between steps. It copies what is
+`Scheduler.snapshot` runs on the thread that owns the scheduler, between steps. It copies what is
 there and changes nothing: the pool's state string (kept up to date by the pool, so a copy)
 and one row per request, at most `max_requests` per list.
 
@@ -17,10 +17,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvflow.core.scheduler import Scheduler
 
 # Why the waiting queue did not move in the latest schedule (the queue is FCFS: the head's
 # reason holds for every request behind it).
@@ -89,7 +85,10 @@ class EngineSnapshot:
     events: list[EngineEvent] = field(default_factory=list)
 
 
-def _view(req, status: str, now: float, blocks: list[int], reason: str | None) -> RequestView:
+def request_view(
+    req, status: str, now: float, blocks: list[int], reason: str | None
+) -> RequestView:
+    """One row of the snapshot for `req` (a core Request)."""
     return RequestView(
         request_id=req.request_id,
         status=status,
@@ -102,43 +101,4 @@ def _view(req, status: str, now: float, blocks: list[int], reason: str | None) -
         age_s=round(now - req.arrival_time, 3),
         block_ids=blocks,
         wait_reason=reason,
-    )
-
-
-def take_snapshot(
-    scheduler: Scheduler, num_steps: int, num_stuck_failures: int, max_requests: int = 256
-) -> EngineSnapshot:
-    """The scheduler's state now; call it on the thread that steps the engine. At most
-    `max_requests` rows per list (the oldest first); the counts cover every request."""
-    kv, now = scheduler.kv, time.monotonic()
-    holders = kv.req_to_blocks
-    running = [
-        _view(r, "running", now, [b.block_id for b in holders.get(r.request_id, ())], None)
-        for r in scheduler.running[:max_requests]
-    ]
-    seen = scheduler.waiting_seen
-    by_reason: dict[str, int] = {}
-    waiting = []
-    for i, req in enumerate(scheduler.waiting):
-        reason = scheduler.waiting_reason if req.arrival_seq <= seen else WAIT_NEW
-        reason = reason or WAIT_NEW
-        by_reason[reason] = by_reason.get(reason, 0) + 1
-        if i < max_requests:
-            status = "preempted" if req.num_preemptions else "waiting"
-            waiting.append(_view(req, status, now, [], reason))
-    return EngineSnapshot(
-        time=time.time(),
-        num_blocks=kv.pool.num_blocks,
-        block_size=kv.block_size,
-        blocks=kv.pool.block_states(),
-        running=running,
-        waiting=waiting,
-        waiting_by_reason=by_reason,
-        max_num_seqs=scheduler.config.max_num_seqs,
-        max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
-        max_model_len=scheduler.max_model_len,
-        num_steps=num_steps,
-        num_preemptions_total=scheduler.num_preemptions_total,
-        num_stuck_failures=num_stuck_failures,
-        events=scheduler.events.latest(),
     )

@@ -23,7 +23,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
-from kvflow.core.snapshot import EngineSnapshot, take_snapshot
+from kvflow.core.snapshot import EngineSnapshot
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -146,7 +146,7 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         """The scheduler and KV pool now, as plain data (core/snapshot.py); call it between
         steps on the thread that steps."""
-        return take_snapshot(self.scheduler, self.num_steps, self.num_stuck_failures)
+        return self.scheduler.snapshot(self.num_steps, self.num_stuck_failures)
 
     def stats(self) -> EngineStats:
         sch = self.scheduler

@@ -256,9 +256,31 @@ function hue(text) {
 const requestColor = (id) => `hsl(${hue(id)}, 62%, 52%)`;
 const short = (id) => (id.length > 22 ? id.slice(0, 10) + "…" + id.slice(-8) : id);
 
+const MAX_CELLS = 16384;
+const RANK = { n: 0, ".": 1, c: 2, h: 3, s: 4 };
+
+// Large pools (a GPU's hundreds of thousands of blocks) draw one cell per `group` blocks,
+// in the state of its busiest block.
+function cells(engine) {
+  const n = engine.num_blocks;
+  const group = Math.ceil(n / MAX_CELLS);
+  if (group === 1) return { states: engine.blocks, group };
+  let states = "";
+  for (let start = 0; start < n; start += group) {
+    let best = ".";
+    for (let i = start; i < Math.min(n, start + group); i++) {
+      const s = engine.blocks[i];
+      if (RANK[s] > RANK[best]) best = s;
+    }
+    states += best;
+  }
+  return { states, group };
+}
+
 function drawKV(engine) {
   const canvas = $("kv-map");
-  const n = engine.num_blocks;
+  const { states, group } = cells(engine);
+  const n = states.length;
   const width = canvas.clientWidth || 600;
   const cell = n <= 512 ? 12 : n <= 2048 ? 8 : n <= 8192 ? 5 : 3;
   const gap = cell > 4 ? 2 : 1;
@@ -270,14 +292,16 @@ function drawKV(engine) {
   canvas.height = Math.round(rows * (cell + gap) * dpr);
   const ctx = canvas.getContext("2d");
   ctx.scale(dpr, dpr);
-  const owner = new Map();
-  for (const r of engine.running) for (const b of r.block_ids) if (!owner.has(b)) owner.set(b, r.request_id);
+  const owner = new Map(); // cell -> the first request holding a block in it
+  for (const r of engine.running) {
+    for (const b of r.block_ids) if (!owner.has(Math.floor(b / group))) owner.set(Math.floor(b / group), r.request_id);
+  }
   const css = getComputedStyle(document.documentElement);
   const colors = { ".": css.getPropertyValue("--free"), c: css.getPropertyValue("--cached"), s: css.getPropertyValue("--shared"), n: css.getPropertyValue("--null"), h: "#8a94a3" };
   const counts = { h: 0, s: 0, c: 0, ".": 0 };
+  for (const s of engine.blocks) counts[s] = (counts[s] || 0) + 1;
   for (let i = 0; i < n; i++) {
-    const s = engine.blocks[i];
-    counts[s] = (counts[s] || 0) + 1;
+    const s = states[i];
     ctx.fillStyle = s === "h" && owner.has(i) ? requestColor(owner.get(i)) : colors[s];
     ctx.fillRect((i % perRow) * (cell + gap), Math.floor(i / perRow) * (cell + gap), cell, cell);
   }
@@ -285,8 +309,9 @@ function drawKV(engine) {
   $("kv-shared").textContent = counts.s;
   $("kv-cached").textContent = counts.c;
   $("kv-free").textContent = counts["."];
-  $("kv-geometry").textContent = `${n} blocks × ${engine.block_size} tokens (block 0 reserved)`;
-  canvas._layout = { perRow, cell, gap, owner, blocks: engine.blocks };
+  const per = group > 1 ? `; one cell per ${group} blocks` : "";
+  $("kv-geometry").textContent = `${engine.num_blocks} blocks × ${engine.block_size} tokens (block 0 reserved${per})`;
+  canvas._layout = { perRow, cell, gap, owner, blocks: states, group };
 }
 
 $("kv-map").addEventListener("mousemove", (event) => {
@@ -302,7 +327,8 @@ $("kv-map").addEventListener("mousemove", (event) => {
   if (s === undefined) { tip.hidden = true; return; }
   const names = { n: "null block (reserved)", ".": "free", c: "free, prefix-cached", h: "held", s: "shared prefix" };
   const who = layout.owner.get(i);
-  tip.textContent = `block ${i}: ${names[s]}${who ? " by " + short(who) : ""}`;
+  const which = layout.group > 1 ? `blocks ${i * layout.group}–${(i + 1) * layout.group - 1}` : `block ${i}`;
+  tip.textContent = `${which}: ${names[s]}${who ? " by " + short(who) : ""}`;
   tip.style.left = Math.min(x + 12, rect.width - 200) + "px";
   tip.style.top = y + 12 + "px";
   tip.hidden = false;
@@ -436,7 +462,8 @@ function render(snapshot) {
   $("health").className = "health " + (snapshot.healthy ? "ok" : "bad");
   $("health").title = snapshot.healthy ? "engine healthy" : "engine unhealthy (see /health)";
   drawKV(e);
-  const held = [...e.blocks].filter((s) => s === "h" || s === "s").length;
+  let held = 0;
+  for (const s of e.blocks) if (s === "h" || s === "s") held += 1;
   $("t-running").textContent = e.running.length;
   $("t-waiting").textContent = e.waiting.length;
   $("t-kv").textContent = Math.round((100 * held) / Math.max(1, e.num_blocks - 1)) + "%";
