@@ -86,7 +86,9 @@ def bench(
             "--result-file",
             "r.json",
         ]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode not in (0, 1):  # 1: some request failed, counted in "errors"
+            raise SystemExit(f"bench failed:\n{done.stdout}\n{done.stderr}")
         return json.loads((Path(out) / "r.json").read_text())
 
 
@@ -144,6 +146,9 @@ class Browser:
 
 
 class Closed:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
     def __enter__(self) -> Closed:
         return self
 
@@ -168,7 +173,8 @@ def main() -> None:
     modes = args.modes.split(",")
     results: dict[str, list[dict]] = {m: [] for m in modes}
     try:
-        bench(url, 8, seed=99)  # warm-up
+        warm = bench(url, 8, 99, args.input_len, args.output_len)
+        print("warm-up:", warm["completed"], "completed,", warm["errors"], "failed", flush=True)
         for repeat in range(args.repeats):
             order = modes if repeat % 2 == 0 else modes[::-1]
             for mode in order:
@@ -177,7 +183,12 @@ def main() -> None:
                     result = bench(url, args.num_prompts, repeat, args.input_len, args.output_len)
                     end = time.time()
                 ms, steps = step_time_ms(url, start + 1, end)
-                row = {"tok_s": result["output_throughput"], "step_ms": ms, "steps": steps}
+                row = {
+                    "tok_s": result["output_throughput"],
+                    "step_ms": ms,
+                    "steps": steps,
+                    "errors": result["errors"],
+                }
                 results[mode].append(row)
                 print(mode, repeat, row, flush=True)
     finally:

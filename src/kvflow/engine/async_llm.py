@@ -205,7 +205,8 @@ class AsyncEngine:
     async def snapshot(self, history_s: int = 120) -> LiveSnapshot:
         """The scheduler and KV pool as the engine thread sees them between two steps, with
         the last `history_s` seconds of per-second stats. Costs the engine one copy of its
-        state (core/snapshot.py); callers bound how often they ask."""
+        state (core/snapshot.py); callers bound how often they ask. Raises
+        EngineUnavailableError when a stalled step changes the state while it is read."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             posted = self._thread_alive() and not self._stopping
@@ -217,7 +218,10 @@ class AsyncEngine:
             with contextlib.suppress(TimeoutError):
                 engine = await asyncio.wait_for(asyncio.wrap_future(future), _SNAPSHOT_WAIT_S)
         if engine is None:  # no thread steps the engine, or a step is stalled: read as is
-            engine = self.engine.snapshot()
+            try:
+                engine = self.engine.snapshot()
+            except RuntimeError as exc:  # the stalled step moved on while this read
+                raise EngineUnavailableError(f"The engine is busy in a step ({exc}).") from exc
         return LiveSnapshot(engine, self.history.series(history_s), self.is_healthy)
 
     @property

@@ -13,8 +13,9 @@ import dataclasses
 import time
 from typing import Any
 
-from kvflow.engine.async_llm import AsyncEngine
+from kvflow.engine.async_llm import AsyncEngine, EngineUnavailableError
 from kvflow.engine.stats_history import LiveSnapshot
+from kvflow.server.serving import ServingError
 
 MAX_HISTORY_S = 600
 
@@ -60,7 +61,10 @@ class SnapshotCache:
         return await asyncio.shield(self._pending)
 
     async def _take(self) -> tuple[LiveSnapshot, dict[str, Any]]:
-        live = await self.engine.snapshot(MAX_HISTORY_S)
+        try:
+            live = await self.engine.snapshot(MAX_HISTORY_S)
+        except EngineUnavailableError as exc:
+            raise ServingError(str(exc), 503) from exc
         self.num_taken += 1
         self._taken_at = time.monotonic()
         self._cached = (live, dataclasses.asdict(live.engine))
