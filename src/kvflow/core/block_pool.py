@@ -18,6 +18,7 @@ from kvflow.core.hashing import BlockHash
 from kvflow.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
 NULL_BLOCK_ID = 0
+_NULL, _FREE, _CACHED, _HELD, _SHARED = b"n.chs"  # block_states()' characters
 
 
 @dataclass(slots=True, eq=False)
@@ -44,6 +45,9 @@ class BlockPool:
         self._free_cached: OrderedDict[int, KVCacheBlock] = OrderedDict()  # oldest first
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.events: list[KVEvent] | None = None  # None: not recording (`record_events`)
+        # one state character per block, kept as blocks move (see `block_states`)
+        self._states = bytearray(b".") * num_blocks
+        self._states[NULL_BLOCK_ID] = _NULL
 
     def record_events(self) -> None:
         """From now on, append a KV event for every change to the prefix cache."""
@@ -85,6 +89,7 @@ class BlockPool:
                 _, block = self._free_cached.popitem(last=False)
                 self._evict(block)
             block.ref_cnt = 1
+            self._states[block.block_id] = _HELD
             out.append(block)
         return out
 
@@ -97,6 +102,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free_cached[block.block_id]
             block.ref_cnt += 1
+            self._states[block.block_id] = _HELD if block.ref_cnt == 1 else _SHARED
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Register a full block under its hash. A hash that is already cached keeps its block.
@@ -119,8 +125,12 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     self._free_uncached[block.block_id] = block
+                    self._states[block.block_id] = _FREE
                 else:
                     self._free_cached[block.block_id] = block
+                    self._states[block.block_id] = _CACHED
+            elif block.ref_cnt == 1:
+                self._states[block.block_id] = _HELD
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Withdraw `block` from the prefix cache (no later request gets it as a hit); a free
@@ -142,6 +152,21 @@ class BlockPool:
         while self._free_cached:
             bid, block = self._free_cached.popitem(last=False)
             self._free_uncached[bid] = block
+            self._states[bid] = _FREE
+
+    def block_states(self) -> str:
+        """One character per block, block 0 first: `n` the null block, `.` free, `c` free
+        with a prefix-cache entry, `h` held by one request, `s` by more (a shared prefix).
+        Kept up to date as blocks move, so this is a copy (a few microseconds per thousand
+        blocks), never a pass over the blocks."""
+        return self._states.decode("ascii")
+
+    def _expected_state(self, block: KVCacheBlock) -> int:
+        if block is self.null_block:
+            return _NULL
+        if block.ref_cnt == 0:
+            return _FREE if block.block_hash is None else _CACHED
+        return _HELD if block.ref_cnt == 1 else _SHARED
 
     def _evict(self, block: KVCacheBlock) -> None:
         del self._cached[block.block_hash]
@@ -161,3 +186,5 @@ class BlockPool:
             assert b.block_hash == h, "hash map out of sync"
         cached_ids = {b.block_id for b in self._cached.values()}
         assert set(self._free_cached) <= cached_ids
+        expected = bytes(self._expected_state(b) for b in self.blocks)
+        assert expected == bytes(self._states), "block states out of sync"

@@ -30,6 +30,16 @@ from kvflow.core.messages import (
     SchedulerOutput,
 )
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.snapshot import (
+    WAIT_BUDGET,
+    WAIT_CAPACITY,
+    WAIT_GRAMMAR,
+    WAIT_MAX_NUM_SEQS,
+    WAIT_NEW,
+    EngineSnapshot,
+    EventLog,
+    request_view,
+)
 
 
 def _arrival(req: Request) -> int:
@@ -49,6 +59,11 @@ class Scheduler:
         self._preempted: set[str] = set()  # preempted since the last step: the runner parks them
         self.head_blocked_on_kv = False
         self.num_preemptions_total = 0
+        # Why the queue did not move in the latest schedule (core/snapshot.py's WAIT_*), and
+        # the newest arrival it judged: later arrivals have not been tried yet.
+        self.waiting_reason: str | None = None
+        self.waiting_seen = -1
+        self.events = EventLog()
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -81,8 +96,12 @@ class Scheduler:
         num_tokens: dict[str, int] = {}
         preempted: list[Request] = []
         budget = self._schedule_running(budget, num_tokens, preempted)
+        if self.waiting:
+            self.waiting_seen = self.waiting[-1].arrival_seq
         if not preempted:
             self._schedule_waiting(budget, num_tokens)
+        else:
+            self.waiting_reason = WAIT_CAPACITY
         self.num_preemptions_total += len(preempted)
         if not num_tokens:  # nothing to launch: the runner hears of ended requests later
             return SchedulerOutput([], CachedRequestData(), {}, 0, num_preemptions=len(preempted))
@@ -114,12 +133,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.first_ready_waiting()
             if req is None:  # every waiting request is still compiling its grammar
-                break
+                self.waiting_reason = WAIT_GRAMMAR
+                return
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 self.head_blocked_on_kv = True
-                break
+                self.waiting_reason = WAIT_CAPACITY
+                return
             if req is self.waiting[0]:
                 self.waiting.popleft()
             else:
@@ -133,6 +154,9 @@ class Scheduler:
             bisect.insort(self.running, req, key=_arrival)
             num_tokens[req.request_id] = n
             budget -= n
+        self.waiting_reason = (
+            None if not self.waiting else WAIT_BUDGET if budget <= 0 else WAIT_MAX_NUM_SEQS
+        )
 
     def first_ready_waiting(self) -> Request | None:
         """The oldest waiting request whose grammar (if any) has compiled: the queue head as
@@ -158,6 +182,11 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         del self._runner_blocks[req.request_id]
+        self.events.record(
+            "preempted",
+            req.request_id,
+            f"out of KV blocks: freed its blocks; {req.num_tokens} tokens to recompute",
+        )
         self._preempted.add(req.request_id)
 
     def _make_output(self, num_tokens: dict[str, int], num_preemptions: int) -> SchedulerOutput:
@@ -296,3 +325,43 @@ class Scheduler:
         del self.requests[req.request_id]
         self._runner_blocks.pop(req.request_id, None)
         self._forget.add(req.request_id)  # the runner may hold it, running or preempted
+
+    # ---- the live view ---------------------------------------------------------------------
+
+    def snapshot(
+        self, num_steps: int, num_stuck_failures: int, max_requests: int = 256
+    ) -> EngineSnapshot:
+        """The state now, as plain data (core/snapshot.py); changes nothing. At most
+        `max_requests` rows per list (the oldest first); the counts cover every request."""
+        now = time.monotonic()
+        running = [
+            request_view(r, "running", now, self.kv.get_block_ids(r.request_id), None)
+            for r in self.running[:max_requests]
+        ]
+        by_reason: dict[str, int] = {}
+        waiting = []
+        for i, req in enumerate(self.waiting):
+            judged = req.arrival_seq <= self.waiting_seen
+            reason = (self.waiting_reason if judged else None) or WAIT_NEW
+            if req.grammar_pending:
+                reason = WAIT_GRAMMAR
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+            if i < max_requests:
+                status = "preempted" if req.num_preemptions else "waiting"
+                waiting.append(request_view(req, status, now, [], reason))
+        return EngineSnapshot(
+            time=time.time(),
+            num_blocks=self.kv.pool.num_blocks,
+            block_size=self.kv.block_size,
+            blocks=self.kv.pool.block_states(),
+            running=running,
+            waiting=waiting,
+            waiting_by_reason=by_reason,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_steps=num_steps,
+            num_preemptions_total=self.num_preemptions_total,
+            num_stuck_failures=num_stuck_failures,
+            events=self.events.latest(),
+        )

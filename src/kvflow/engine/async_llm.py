@@ -15,6 +15,7 @@ engine death).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from kvflow.engine.async_stats import StatLogger, StatsTracker, StepWatchdog
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.engine.stats_history import LiveSnapshot, StatsHistory
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -55,6 +57,14 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    future: concurrent.futures.Future
+
+
+_SNAPSHOT_WAIT_S = 5.0  # a step longer than this (a stall) answers from outside the thread
 
 
 def terminal_output(req_id: str, n: int, reason: str, error: str | None = None) -> RequestOutput:
@@ -112,12 +122,13 @@ class AsyncEngine:
         self.max_num_queued_reqs = max_num_queued_reqs
         self.watchdog_timeout = watchdog_timeout
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _Snapshot] = []
         self._stopping = False
         self._pending_adds = 0
         self._latest = engine.stats()
         self._tracker = StatsTracker(self._latest)  # engine thread only
         self._grammar_failures = 0  # engine thread only: the engine's count at the last pass
+        self.history = StatsHistory()
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -194,6 +205,28 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._latest
+
+    async def snapshot(self, history_s: int = 120) -> LiveSnapshot:
+        """The scheduler and KV pool as the engine thread sees them between two steps, with
+        the last `history_s` seconds of per-second stats. Costs the engine one copy of its
+        state (core/snapshot.py); callers bound how often they ask. Raises
+        EngineUnavailableError when a stalled step changes the state while it is read."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            posted = self._thread_alive() and not self._stopping
+            if posted:
+                self._inbox.append(_Snapshot(future))
+                self._cond.notify()
+        engine = None
+        if posted:
+            with contextlib.suppress(TimeoutError):
+                engine = await asyncio.wait_for(asyncio.wrap_future(future), _SNAPSHOT_WAIT_S)
+        if engine is None:  # no thread steps the engine, or a step is stalled: read as is
+            try:
+                engine = self.engine.snapshot()
+            except RuntimeError as exc:  # the stalled step moved on while this read
+                raise EngineUnavailableError(f"The engine is busy in a step ({exc}).") from exc
+        return LiveSnapshot(engine, self.history.series(history_s), self.is_healthy)
 
     @property
     def num_live_requests(self) -> int:
@@ -294,7 +327,7 @@ class AsyncEngine:
         free = 0 if stats.num_waiting else max(seqs - stats.num_running, 0)
         return stats.num_waiting + max(self._pending_adds + adding - free, 0)
 
-    def _post(self, command: _Add | _Abort) -> None:
+    def _post(self, command: _Add | _Abort | _Snapshot) -> None:
         with self._cond:
             self._inbox.append(command)
             self._cond.notify()
@@ -346,9 +379,12 @@ class AsyncEngine:
         self._publish(outputs, step_start, num_adds)
         return not stopping
 
-    def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
+    def _apply(self, commands: list[_Add | _Abort | _Snapshot]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for cmd in commands:
+            if isinstance(cmd, _Snapshot):
+                _resolve(cmd.future, self.engine.snapshot)
+                continue
             if isinstance(cmd, _Abort):
                 ids = [i for i in cmd.request_ids if i in self._tracker]
                 outputs += self.engine.abort_request(ids)
@@ -376,6 +412,7 @@ class AsyncEngine:
         with self._cond:
             self._latest = stats.engine
             self._pending_adds -= adds
+        self.history.record(stats)
         if self.stat_logger is not None:
             try:
                 self.stat_logger.record(stats)
@@ -393,6 +430,9 @@ class AsyncEngine:
         self._accepting = False
         with self._cond:
             pending = [c for c in self._inbox if isinstance(c, _Add)]
+            for cmd in self._inbox:
+                if isinstance(cmd, _Snapshot):
+                    _resolve(cmd.future, self.engine.snapshot)
             self._inbox = []
         outputs: list[RequestOutput] = []
         try:
@@ -415,3 +455,10 @@ class AsyncEngine:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed since the check
                 loop.call_soon_threadsafe(fn, *args)
+
+
+def _resolve(future: concurrent.futures.Future, fn: Callable) -> None:
+    try:
+        future.set_result(fn())
+    except Exception as exc:
+        future.set_exception(exc)

@@ -52,6 +52,7 @@ class IterationStats:
 
     engine: EngineStats
     num_iteration_tokens: int | None = None  # None when no step ran in this pass
+    step_seconds: float | None = None  # the step's wall time; None when no step ran
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # of num_prompt_tokens, read from the prefix cache
     num_generation_tokens: int = 0
@@ -130,6 +131,7 @@ class StatsTracker:
         stats = IterationStats(
             engine=engine,
             num_iteration_tokens=step_tokens if step_start is not None else None,
+            step_seconds=None if step_start is None else now - step_start,
             num_preemptions=engine.num_preemptions_total - prev.num_preemptions_total,
             prefix_cache_queries=engine.prefix_cache_queries - prev.prefix_cache_queries,
             prefix_cache_hits=engine.prefix_cache_hits - prev.prefix_cache_hits,

@@ -23,6 +23,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
+from kvflow.core.snapshot import EngineSnapshot
 from kvflow.engine.perf import ModelShape, step_perf
 
 logger = logging.getLogger("kvflow.engine")
@@ -190,7 +191,13 @@ class EngineCore:
         )
         logger.error(msg)
         self.num_stuck_failures += 1
+        sch.events.record("stuck", head.request_id, msg)
         return sch.finish_requests([head.request_id], RequestStatus.FINISHED_ERROR, msg)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The scheduler and KV pool now, as plain data (core/snapshot.py); call it between
+        steps on the thread that steps."""
+        return self.scheduler.snapshot(self.num_steps, self.num_stuck_failures)
 
     def stats(self) -> EngineStats:
         sch = self.scheduler

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.snapshot import EngineSnapshot
 from kvflow.engine.engine_core import EngineCore, EngineStats, KVEventSink, Runner
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.pending_grammars import PendingGrammars
@@ -248,3 +249,7 @@ class LLMEngine:
         allowed no token (counted by the runner)."""
         runner_failures = getattr(self.core.runner, "num_grammar_failures", 0)
         return self.pending_grammars.num_failures + runner_failures
+
+    def snapshot(self) -> EngineSnapshot:
+        """The scheduler and KV pool as plain data; on the thread that steps, between steps."""
+        return self.core.snapshot()

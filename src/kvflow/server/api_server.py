@@ -30,9 +30,12 @@ from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.paths import remove_scratch
 from kvflow.server.args import add_serve_arguments, check_serve_args, engine_args_from
+from kvflow.server.engine_view import SnapshotCache
 from kvflow.server.frontend import LoggingStatLogger, StatLoggers, install_frontend
+from kvflow.server.generation_defaults import default_sampling_params, parse_override
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.metrics import ServerMetrics
+from kvflow.server.page import install_page
 from kvflow.server.routes import ServerContext, router
 from kvflow.server.serving_chat import ChatServing
 from kvflow.server.serving_completion import CompletionServing
@@ -129,7 +132,9 @@ def build_app(
     args: argparse.Namespace,
     api_key: str | None = None,
 ) -> tuple[FastAPI, ShutdownController]:
-    """The app over `engine`; the engine thread starts and stops with the app's lifespan."""
+    """The app over `engine`; the engine thread starts and stops with the app's lifespan.
+    `api_key` defaults to `args.api_key`."""
+    api_key = api_key if api_key is not None else getattr(args, "api_key", None)
     names = args.served_model_name or [engine.model_name]
     metrics = _metrics(engine, args, names[0])
     async_engine = AsyncEngine(
@@ -140,6 +145,11 @@ def build_app(
     )
     controller = ShutdownController(async_engine, args.shutdown_timeout)
     root = args.model or args.model_tag or engine.model_name
+    defaults = default_sampling_params(
+        getattr(args, "generation_config", "vllm"),
+        args.model or args.model_tag,
+        parse_override(getattr(args, "override_generation_config", None)),
+    )
     common = dict(
         served_names=list(names),
         model_root=root,
@@ -147,12 +157,14 @@ def build_app(
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         trust_request_chat_template=args.trust_request_chat_template,
         max_log_len=getattr(args, "max_log_len", None),
+        sampling_defaults=defaults,
     )
     ctx = ServerContext(
         engine=async_engine,
         completion=CompletionServing(async_engine, **common),
         chat=ChatServing(async_engine, **common, tool_config=tool_config_from(args)),
         metrics=metrics,
+        snapshots=SnapshotCache(async_engine, names[0], defaults=defaults),
     )
 
     @asynccontextmanager
@@ -178,6 +190,8 @@ def build_app(
     app.include_router(router)
     install_error_handlers(app)
     install_openapi(app)
+    if not getattr(args, "disable_web_ui", False):
+        install_page(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     install_frontend(app, args)
@@ -213,6 +227,8 @@ def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
     )
     names = ", ".join(args.served_model_name or [engine.model_name])
     print(f"kvflow: serving {names} at {url} (OpenAI API: {url}/v1)", flush=True)
+    if not getattr(args, "disable_web_ui", False):
+        print(f"kvflow: chat and live engine view: {url}/", flush=True)
 
 
 def _install_start_up_signals() -> None:

@@ -188,6 +188,24 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="request defaults from the model's generation_config.json: 'auto' (the model's; "
+        "the embedded model gets its model card's temperature 0.2, top_p 0.9), 'vllm' (none), "
+        "or a folder holding one",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        default=None,
+        help="JSON object over the generation config, e.g. '{\"temperature\": 0.5}'",
+    )
+    p.add_argument(
+        "--disable-web-ui",
+        action="store_true",
+        help="serve no page at / (the chat playground and live engine view); the API is "
+        "unchanged. Not vLLM's --disable-frontend-multiprocessing, which is about processes",
+    )
     _add_deployment_flags(p)
 
 

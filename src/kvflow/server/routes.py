@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import AsyncEngine
+from kvflow.server.engine_view import MAX_HISTORY_S, SnapshotCache
 from kvflow.server.http import (
     ERROR_RESPONSES,
     SSEResponse,
@@ -44,6 +45,7 @@ class ServerContext:
     completion: CompletionServing
     chat: ChatServing
     metrics: ServerMetrics
+    snapshots: SnapshotCache
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -139,3 +141,21 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     serving = _ctx(request).chat
     return _respond(await with_disconnect(request, serving.create_chat_completion(body)))
+
+
+_SNAPSHOT = {
+    200: {
+        "description": "kvflow's live engine view: the KV pool block by block, running and "
+        "waiting requests (by reason), events, and per-second history rows",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+    401: ERROR_RESPONSES[401],
+    400: ERROR_RESPONSES[400],
+}
+
+
+@router.get("/v1/engine/snapshot", response_class=JSONResponse, responses=_SNAPSHOT)
+async def engine_snapshot(
+    request: Request, history_s: int = Query(120, ge=0, le=MAX_HISTORY_S)
+) -> JSONResponse:
+    return JSONResponse(await _ctx(request).snapshots.get(history_s))

@@ -144,6 +144,11 @@ def usage(prompts: Sequence[Prompt], choices: dict[int, ChoiceState]) -> UsageIn
     )
 
 
+def _given(value: Any, defaults: dict[str, Any], name: str, fallback: Any) -> Any:
+    """The request's value, else the model's default, else vLLM's."""
+    return value if value is not None else defaults.get(name, fallback)
+
+
 class BaseServing:
     def __init__(
         self,
@@ -154,9 +159,13 @@ class BaseServing:
         log_requests: bool = False,
         trust_request_chat_template: bool = False,
         max_log_len: int | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.max_log_len = max_log_len
+        # the model's recommended sampling values (generation_defaults.py): fields a request
+        # leaves out take them; `max_tokens` caps the request's
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.served_names = served_names
         self.model_name = served_names[0]
         self.model_root = model_root
@@ -207,19 +216,20 @@ class BaseServing:
             raise ServingError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
+        d = self.sampling_defaults
+        if "max_tokens" in d:
+            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens, d["max_tokens"])
         try:
             params = SamplingParams(
                 n=req.n,
                 best_of=req.best_of,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0
-                if req.repetition_penalty is None
-                else req.repetition_penalty,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=req.min_p or 0.0,
+                repetition_penalty=_given(req.repetition_penalty, d, "repetition_penalty", 1.0),
+                temperature=_given(req.temperature, d, "temperature", 1.0),
+                top_p=_given(req.top_p, d, "top_p", 1.0),
+                top_k=_given(req.top_k, d, "top_k", 0),
+                min_p=_given(req.min_p, d, "min_p", 0.0),
                 seed=req.seed,
                 stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []),
