@@ -14,7 +14,7 @@ class Block:
 sys.meta_path.insert(0, Block())
 import kvflow.core.scheduler, kvflow.core.block_pool, kvflow.core.kv_cache_manager
 import kvflow.core.messages, kvflow.core.request, kvflow.core.hashing, kvflow.config
-import kvflow.core.kv_events, kvflow.engine.perf
+import kvflow.core.kv_events, kvflow.core.perf
 import kvflow.engine.engine_core, kvflow.sampling_params
 from kvflow import SamplingParams
 print('ok')

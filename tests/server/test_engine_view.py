@@ -8,9 +8,9 @@ import asyncio
 import json
 
 import pytest
-from test_inprocess import LONG, serve, wait
 
 from kvflow.server.generation_defaults import EMBEDDED_MODEL_DEFAULTS, default_sampling_params
+from support.inprocess import LONG, serve, wait
 
 
 @pytest.fixture(scope="module")

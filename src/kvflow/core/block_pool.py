@@ -141,6 +141,7 @@ class BlockPool:
         if block.ref_cnt == 0:
             del self._free_cached[block.block_id]
             self._free_uncached[block.block_id] = block
+            self._states[block.block_id] = _FREE
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; free cached blocks become plain free blocks."""

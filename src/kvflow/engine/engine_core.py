@@ -21,10 +21,10 @@ from typing import Protocol
 
 from kvflow.config import EngineConfig
 from kvflow.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvflow.core.perf import ModelShape, step_perf
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.snapshot import EngineSnapshot
-from kvflow.engine.perf import ModelShape, step_perf
 
 logger = logging.getLogger("kvflow.engine")
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.config import EngineConfig
+from kvflow.core.perf import ModelShape
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.snapshot import EngineSnapshot
 from kvflow.engine.engine_core import EngineCore, EngineStats, KVEventSink, Runner
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.pending_grammars import PendingGrammars
-from kvflow.engine.perf import ModelShape
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.config import StructuredOutputsConfig

@@ -127,6 +127,38 @@ def _stat_loggers(metrics: ServerMetrics, args: argparse.Namespace) -> StatLogge
     return StatLoggers(metrics, log_stats)
 
 
+def _server_context(
+    async_engine: AsyncEngine,
+    engine: LLMEngine,
+    args: argparse.Namespace,
+    names: list[str],
+    metrics: ServerMetrics,
+) -> ServerContext:
+    """The serving objects the routes call, with the model's sampling defaults."""
+    root = args.model or args.model_tag or engine.model_name
+    defaults = default_sampling_params(
+        getattr(args, "generation_config", "vllm"),
+        args.model or args.model_tag,
+        parse_override(getattr(args, "override_generation_config", None)),
+    )
+    common = dict(
+        served_names=list(names),
+        model_root=root,
+        request_timeout=args.request_timeout,
+        log_requests=args.enable_log_requests and not args.disable_log_requests,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_log_len=getattr(args, "max_log_len", None),
+        sampling_defaults=defaults,
+    )
+    return ServerContext(
+        engine=async_engine,
+        completion=CompletionServing(async_engine, **common),
+        chat=ChatServing(async_engine, **common, tool_config=tool_config_from(args)),
+        metrics=metrics,
+        snapshots=SnapshotCache(async_engine, names[0], defaults=defaults),
+    )
+
+
 def build_app(
     engine: LLMEngine,
     args: argparse.Namespace,
@@ -144,28 +176,7 @@ def build_app(
         watchdog_timeout=args.watchdog_timeout,
     )
     controller = ShutdownController(async_engine, args.shutdown_timeout)
-    root = args.model or args.model_tag or engine.model_name
-    defaults = default_sampling_params(
-        getattr(args, "generation_config", "vllm"),
-        args.model or args.model_tag,
-        parse_override(getattr(args, "override_generation_config", None)),
-    )
-    common = dict(
-        served_names=list(names),
-        model_root=root,
-        request_timeout=args.request_timeout,
-        log_requests=args.enable_log_requests and not args.disable_log_requests,
-        trust_request_chat_template=args.trust_request_chat_template,
-        max_log_len=getattr(args, "max_log_len", None),
-        sampling_defaults=defaults,
-    )
-    ctx = ServerContext(
-        engine=async_engine,
-        completion=CompletionServing(async_engine, **common),
-        chat=ChatServing(async_engine, **common, tool_config=tool_config_from(args)),
-        metrics=metrics,
-        snapshots=SnapshotCache(async_engine, names[0], defaults=defaults),
-    )
+    ctx = _server_context(async_engine, engine, args, names, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -25,13 +25,12 @@ from kvflow.engine.async_llm import (
 )
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from kvflow.server.errors import ServingError, engine_error
 from kvflow.server.protocol import (
     UNSUPPORTED_FIELDS,
     ChatTemplateFields,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     SamplingFields,
@@ -44,47 +43,7 @@ from kvflow.server.structured import constraint
 
 logger = logging.getLogger("kvflow.server")
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "RequestTimeoutError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
 MIN_LOGPROB = -9999.0  # JSON has no -inf
-
-
-class ServingError(Exception):
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.headers = headers
-
-    def body(self) -> ErrorResponse:
-        err_type = ERROR_TYPES.get(self.status, "BadRequestError")
-        return ErrorResponse(
-            error=ErrorInfo(message=self.message, type=err_type, param=self.param, code=self.status)
-        )
-
-
-def engine_error(exc: Exception) -> ServingError:
-    """ValueError -> 400; queue full or shutting down -> 503 (+ Retry-After); dead -> 503."""
-    if isinstance(exc, EngineUnavailableError):
-        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
-        return ServingError(str(exc), 503, headers=headers)
-    if isinstance(exc, EngineDeadError):
-        return ServingError(str(exc), 503)
-    return ServingError(str(exc), 400)
 
 
 def sse(model: BaseModel) -> str:

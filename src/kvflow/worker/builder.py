@@ -11,7 +11,7 @@ import torch
 from kvflow.attention import AttentionBackend, AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
-from kvflow.engine.perf import ModelShape
+from kvflow.core.perf import ModelShape
 from kvflow.kernels.cpu.build import native_available
 from kvflow.kv_events import make_publisher
 from kvflow.model.linear import prepack_for_cpu

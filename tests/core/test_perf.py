@@ -5,7 +5,7 @@ rows that need logits only; weights read once per step."""
 from __future__ import annotations
 
 from kvflow.core.messages import CachedRequestData, NewRequestData, SchedulerOutput
-from kvflow.engine.perf import ModelShape, step_perf
+from kvflow.core.perf import ModelShape, step_perf
 
 # SmolLM2-135M's shape, bf16
 SHAPE = ModelShape(30, 576, 9, 3, 64, 1536, 49152, 2)
