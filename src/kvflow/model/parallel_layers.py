@@ -86,7 +86,7 @@ class ColumnParallelLinear(MergedLinear):
             param.weight_loader = self._load_part  # type: ignore[attr-defined]
 
     @classmethod
-    def split(cls, module: Linear, group: TPGroup) -> ColumnParallelLinear:
+    def cut(cls, module: Linear, group: TPGroup) -> ColumnParallelLinear:
         """`module` (a Linear or MergedLinear, on any device) cut evenly by output rows."""
         sizes = getattr(module, "output_sizes", [module.out_features])
         parts = [split_evenly(size, group.world_size, group.rank) for size in sizes]
@@ -124,7 +124,7 @@ class RowParallelLinear(Linear):
         self.weight.weight_loader = self._load_columns  # type: ignore[attr-defined]
 
     @classmethod
-    def split(
+    def cut(
         cls, module: Linear, group: TPGroup, columns: tuple[int, int] | None = None
     ) -> RowParallelLinear:
         """`module` cut by input columns: `columns` (start, count), else evenly."""

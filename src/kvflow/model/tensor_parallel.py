@@ -114,12 +114,12 @@ def _shard_llama(model: LlamaForCausalLM, cfg: Any, group: TPGroup) -> None:
         shard = head_partition(attn.num_heads, attn.num_kv_heads, group.world_size, group.rank)
         attn.qkv_proj = qkv_parallel(attn.qkv_proj, shard, attn.head_dim)
         columns = (shard.q_start * attn.head_dim, shard.q_count * attn.head_dim)
-        attn.o_proj = RowParallelLinear.split(attn.o_proj, group, columns)
+        attn.o_proj = RowParallelLinear.cut(attn.o_proj, group, columns)
         attn.num_heads = attn.attn.num_heads = shard.q_count
         attn.num_kv_heads = attn.attn.num_kv_heads = shard.kv_count
         mlp = layer.mlp
-        mlp.gate_up_proj = ColumnParallelLinear.split(mlp.gate_up_proj, group)
-        mlp.down_proj = RowParallelLinear.split(mlp.down_proj, group)
+        mlp.gate_up_proj = ColumnParallelLinear.cut(mlp.gate_up_proj, group)
+        mlp.down_proj = RowParallelLinear.cut(mlp.down_proj, group)
     inner.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
     if model.lm_head is not None:
         model.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, group)
@@ -133,10 +133,10 @@ def _shard_opt(model: OPTForCausalLM, cfg: Any, group: TPGroup) -> None:
         shard = head_partition(heads, heads, group.world_size, group.rank)
         attn.qkv_proj = qkv_parallel(attn.qkv_proj, shard, attn.head_dim)
         columns = (shard.q_start * attn.head_dim, shard.q_count * attn.head_dim)
-        attn.out_proj = RowParallelLinear.split(attn.out_proj, group, columns)
+        attn.out_proj = RowParallelLinear.cut(attn.out_proj, group, columns)
         attn.attn.num_heads = attn.attn.num_kv_heads = shard.q_count
-        layer.fc1 = ColumnParallelLinear.split(layer.fc1, group)
-        layer.fc2 = RowParallelLinear.split(layer.fc2, group)
+        layer.fc1 = ColumnParallelLinear.cut(layer.fc1, group)
+        layer.fc2 = RowParallelLinear.cut(layer.fc2, group)
     decoder.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.word_embed_proj_dim, group)
     if model.lm_head is not None:
         model.lm_head = ParallelLMHead(cfg.word_embed_proj_dim, cfg.vocab_size, group)
