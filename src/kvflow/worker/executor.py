@@ -98,9 +98,18 @@ def describe_exit(code: int | None) -> str:
 
 
 def stop_all() -> None:
-    """Stop the ranks of every live executor (a signal during start-up, process exit)."""
+    """Stop the ranks of every live executor (at process exit)."""
     for executor in list(_LIVE):
         executor.shutdown()
+
+
+def kill_all() -> None:
+    """SIGKILL every rank of every live executor now, without waiting: a signal handler's
+    way (a signal during start-up); the kernel ends them, their parent's exit reaps them."""
+    for executor in list(_LIVE):
+        for proc in executor.procs:
+            if proc.exitcode is None:
+                proc.kill()
 
 
 atexit.register(stop_all)
