@@ -39,7 +39,7 @@ from kvflow.worker.tp_worker import RankSpec
 logger = logging.getLogger("kvflow.engine")
 
 STOP_GRACE_S = 1.0  # a stopped rank's time to exit before it is killed
-_LIVE: weakref.WeakSet[MultiprocExecutor] = weakref.WeakSet()
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # executors with ranks to stop (mp and Ray)
 
 
 class RankError(RuntimeError):
@@ -107,7 +107,7 @@ def kill_all() -> None:
     """SIGKILL every rank of every live executor now, without waiting: a signal handler's
     way (a signal during start-up); the kernel ends them, their parent's exit reaps them."""
     for executor in list(_LIVE):
-        for proc in executor.procs:
+        for proc in getattr(executor, "procs", []):  # (a Ray cluster dies with its starter)
             if proc.exitcode is None:
                 proc.kill()
 

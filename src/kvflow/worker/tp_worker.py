@@ -63,7 +63,13 @@ def watch_parent(parent_pid: int) -> None:
 
 
 def rank_device(spec: RankSpec, rank: int) -> str:
-    return f"cuda:{rank}" if spec.device.startswith("cuda") else "cpu"
+    """cuda:RANK when this process sees every card (mp), else cuda:0 (a Ray actor sees the
+    one card of its bundle); the CPU for the CPU."""
+    if not spec.device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    return f"cuda:{rank if rank < torch.cuda.device_count() else 0}"
 
 
 class RankWorker:
