@@ -170,7 +170,11 @@ class RankWorker:
                 return
             sched = self.group.broadcast_object(message[1])
             try:
-                ctl(("output", self.step(sched)))
+                start = time.perf_counter()
+                output = self.step(sched)
+                self.group.timers["step"] = self.group.timers.get("step", 0.0)
+                self.group.timers["step"] += time.perf_counter() - start
+                ctl(("output", output))
             except Exception:
                 ctl(("error", traceback.format_exc()))
                 raise
