@@ -45,14 +45,95 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int) -> float:
     return statistics.median(times), {k: v / steps for k, v in parts.items()}
 
 
+def tp_gpu_section(path: str, batches: tuple[int, ...] = (1, 8, 64)) -> dict:
+    """gpu_check.py's TP section (two or more cards): greedy tokens of the checkpoint at
+    `path` at TP=2 (NCCL, eager) against TP=1 (eager) in float32, then bf16 decode steps of
+    both with rank 0's time in the collectives (seconds of queueing, not of transfer: CUDA
+    collectives are asynchronous)."""
+    prompts = [[1000 + 13 * i + j for j in range(8 + 5 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    out: dict = {"tokens_equal": None, "timing": []}
+    tokens = {}
+    for tp in (1, 2):
+        llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=tp, enforce_eager=True)
+        tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if tp > 1:
+            llm.engine.core.runner.shutdown()
+        del llm
+    out["tokens_equal"] = tokens[1] == tokens[2]
+    for tp in (1, 2):
+        llm = LLM(
+            path, device="cuda", dtype="bfloat16", tensor_parallel_size=tp, enforce_eager=True
+        )
+        for batch in batches:
+            ms, parts = decode_step_ms(llm, batch, 128, 20)
+            out["timing"].append({"tp": tp, "batch": batch, "step_ms": ms, **parts})
+        if tp > 1:
+            llm.engine.core.runner.shutdown()
+        del llm
+    return out
+
+
+def _micro_rank(rank: int, port: int, batches: list[int], reps: int, out: dict) -> None:
+    """Collectives alone on two gloo ranks: median us per call for each decode batch."""
+    import torch
+
+    from kvflow.core.messages import CachedRequestData, SchedulerOutput
+    from kvflow.distributed.group import TPGroup
+
+    torch.set_num_threads(1)
+    group = TPGroup.init(rank, 2, f"tcp://127.0.0.1:{port}", "cpu")
+
+    def median_us(fn) -> float:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(times)
+
+    for batch in batches:
+        hidden = torch.randn(batch, 576, dtype=torch.bfloat16)
+        logits = torch.randn(batch, 49152 // 2)
+        cached = CachedRequestData()
+        for i in range(batch):
+            cached.append(f"cmpl-{i:032x}-0", [], 128 + i)
+        sched = SchedulerOutput([], cached, {r: 1 for r in cached.req_ids}, batch)
+        row = {
+            "batch": batch,
+            "all_reduce_us": median_us(lambda h=hidden: group.all_reduce(h)),
+            "all_gather_logits_us": median_us(lambda x=logits: group.all_gather_last(x)),
+            "broadcast_step_us": median_us(lambda s=sched: group.broadcast_object(s)),
+        }
+        if rank == 0:
+            out[batch] = row
+    group.destroy()
+
+
+def micro(batches: list[int], reps: int) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from kvflow.worker.executor import free_port
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_micro_rank, args=(free_port(), batches, reps, out), nprocs=2)
+        return [dict(out[b]) for b in batches]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--micro", action="store_true", help="collectives alone, then exit")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.micro:
+        for row in micro(batches, reps=200):
+            print(json.dumps({k: round(v, 1) for k, v in row.items()}), flush=True)
+        return 0
     rows = []
     for tp in (1, 2):
         llm = LLM(dtype=args.dtype, num_blocks=512, tensor_parallel_size=tp)
