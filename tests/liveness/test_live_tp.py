@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.tp, pytest.mark.slow]
 FLAGS = [*geometry(16, 64), "--tensor-parallel-size", "2"]
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
 DEATH_BOUND_S = 5.0  # engine death: exit within this of the kill
-EXIT_BOUND_S = 5.0  # SIGTERM: exit within this of the last answer, every rank gone
+EXIT_BOUND_S = 2.0  # SIGTERM: exit within this of the last answer (test_live_shutdown's bound)
 
 
 def ranks_of(server_pid: int) -> list[int]:
@@ -143,6 +143,7 @@ def test_sigterm_under_load_answers_every_client_and_ends_every_rank() -> None:
         left = ranks_of(server.pid)
     finally:
         server.kill()
+    print(f"  SIGTERM under load: both answered, exit {code} {after:.2f} s after the last")
     assert code == 0 and after < EXIT_BOUND_S and not left
     assert plain["value"].status_code in (500, 503) and "error" in plain["value"].json()
     status, lines = stream["value"]

@@ -32,6 +32,7 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
 from kvflow.worker.tp_worker import RankSpec
@@ -59,12 +60,20 @@ class RankProcess:
     def __init__(self, spec: RankSpec, rank: int) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
+        # the kvflow this process runs, also when it came from sys.path rather than the
+        # environment (benchmarks/gpu_check.py inserts src/)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         if spec.device == "cpu" and "OMP_NUM_THREADS" not in env:
             per_rank = spec.threads or max(1, (os.cpu_count() or 1) // spec.world_size)
             env["OMP_NUM_THREADS"] = str(per_rank)  # before torch starts its OpenMP pool
         command = [sys.executable, "-m", "kvflow.worker.tp_worker", "--rank", str(rank)]
         command += ["--fd", str(theirs.fileno()), "--parent", str(os.getpid())]
-        self.popen = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
+        # its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) goes
+        # to the server, which drains, not to the ranks, which it still needs
+        self.popen = subprocess.Popen(
+            command, pass_fds=[theirs.fileno()], env=env, start_new_session=True
+        )
         theirs.close()
         self.pid = self.popen.pid
         self.sentinel = os.pidfd_open(self.pid)
@@ -122,6 +131,7 @@ class MultiprocExecutor:
     def __init__(self, spec: RankSpec, start_timeout_s: float = 900.0) -> None:
         self.procs: list[RankProcess] = []
         self._closed = False
+        self._finalizer = weakref.finalize(self, stop_ranks, self.procs)
         _LIVE.add(self)
         try:
             for rank in range(spec.world_size):
@@ -210,23 +220,26 @@ class MultiprocExecutor:
         return self._recv(0)[1]
 
     def shutdown(self) -> None:
-        """Stop every rank: ("stop",) to rank 0, which ends the others; whatever has not
-        exited STOP_GRACE_S later is killed. Idempotent; joins every rank process."""
-        if self._closed:
-            return
+        """Stop every rank (`stop_ranks`). Idempotent; also runs when the executor is
+        collected and at interpreter exit."""
         self._closed = True
-        try:
-            self.procs[0].conn.send(("stop",))
-        except (OSError, IndexError):
-            pass
-        deadline = time.monotonic() + STOP_GRACE_S
-        for proc in self.procs:
-            proc.join(max(deadline - time.monotonic(), 0))
-        for proc in self.procs:
-            if proc.exitcode is None:
-                logger.warning("tensor-parallel rank (pid %d) did not stop: killing it", proc.pid)
-                proc.kill()
-                proc.join(5)
-        for proc in self.procs:
-            proc.close()
+        self._finalizer()
         _LIVE.discard(self)
+
+
+def stop_ranks(procs: list[RankProcess]) -> None:
+    """("stop",) to rank 0, which ends the others; whatever has not exited STOP_GRACE_S later
+    is killed; every rank process is reaped."""
+    try:
+        procs[0].conn.send(("stop",))
+    except (OSError, IndexError):
+        pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        proc.join(deadline - time.monotonic())
+    for proc in procs:
+        if proc.exitcode is None:
+            logger.warning("tensor-parallel rank (pid %d) did not stop: killing it", proc.pid)
+            proc.kill()
+            proc.join(5)
+        proc.close()

@@ -86,14 +86,14 @@ def build_tp_engine(cls, args, log_steps: bool):
         cache = CacheConfig(args.block_size, runner.num_blocks, args.enable_prefix_caching)
         requested = None if args.max_model_len in (None, -1) else args.max_model_len
         max_model_len = resolve_max_model_len(cache, model_context_len(hf_config), requested)
-    except ValueError:
-        runner.shutdown()
+        faults = FaultPlan.from_env()
+        if faults is not None:
+            max_model_len = faults.max_model_len(max_model_len)
+            logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
+            runner = faults.wrap(runner)
+    except BaseException:
+        runner.shutdown()  # (a FaultyRunner passes it on)
         raise
-    faults = FaultPlan.from_env()
-    if faults is not None:
-        max_model_len = faults.max_model_len(max_model_len)
-        logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
-        runner = faults.wrap(runner)
     scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
     logger.info(
         "tensor parallel: %d ranks (%s); KV cache: %d blocks x %d tokens; max_model_len %d; "

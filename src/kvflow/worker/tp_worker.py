@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -134,13 +135,18 @@ class RankWorker:
             from kvflow.worker.builder import DEFAULT_CPU_KV_CACHE_MEMORY
 
             return DEFAULT_CPU_KV_CACHE_MEMORY // per_block
+        import copy
+
         import torch
 
+        from kvflow.model.tensor_parallel import kv_cache_shape_for_rank
         from kvflow.worker.builder import profile_step
 
+        rank_config = copy.copy(hf_config)  # its throwaway KV cache: this rank's KV heads
+        rank_config.num_key_value_heads = kv_cache_shape_for_rank(hf_config, self.group)[1]
         step = profile_step(
             model,
-            hf_config,
+            rank_config,
             spec.max_num_batched_tokens,
             spec.max_num_seqs,
             spec.block_size,
@@ -218,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("--rank", "--fd", "--parent"):
         parser.add_argument(flag, type=int, required=True)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started it ends it
     watch_parent(args.parent)
     logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank} %(levelname)s %(message)s")
     conn = Connection(args.fd)
