@@ -53,7 +53,7 @@ def _alive(pid: int) -> bool:
 def test_ray_ranks_give_mp_tokens_and_leave_no_process() -> None:
     pytest.importorskip("ray")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private cluster
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )

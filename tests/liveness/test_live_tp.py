@@ -48,8 +48,11 @@ def ranks_of(server_pid: int) -> list[int]:
     return found
 
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # per rank (and for the server, which only schedules)
+
+
 def start_tp(flags: list[str], env: dict[str, str] | None = None) -> Live:
-    server = spawn(flags, env)
+    server = spawn(flags, {**ONE_THREAD, **(env or {})})
     server.wait_healthy()
     assert len(ranks_of(server.pid)) == 2
     return server
@@ -151,7 +154,7 @@ def test_sigterm_under_load_answers_every_client_and_ends_every_rank() -> None:
 
 
 def test_rank_failing_at_start_up_ends_start_up_with_its_error() -> None:
-    server = spawn(FLAGS, {"KVFLOW_FAULT": "rankfail:1"})
+    server = spawn(FLAGS, {**ONE_THREAD, "KVFLOW_FAULT": "rankfail:1"})
     try:
         code = server.wait_exit(timeout=240)
         left = ranks_of(server.pid)
@@ -164,7 +167,7 @@ def test_rank_failing_at_start_up_ends_start_up_with_its_error() -> None:
 
 
 def test_signal_while_the_ranks_load_ends_everything() -> None:
-    server = spawn(FLAGS)
+    server = spawn(FLAGS, ONE_THREAD)
     try:
         wait_for(lambda: len(ranks_of(server.pid)) == 2, timeout=240, interval=0.1)
         time.sleep(1.0)  # the ranks are importing torch or loading their shards
@@ -176,3 +179,17 @@ def test_signal_while_the_ranks_load_ends_everything() -> None:
     finally:
         server.kill()
     assert code in (-signal.SIGTERM, 128 + signal.SIGTERM) and took < 10
+
+
+def test_ranks_of_a_sigkilled_server_exit_on_their_own() -> None:
+    """Nothing can stop the ranks of a server killed with SIGKILL but the ranks themselves:
+    each sees its parent gone (`tp_worker.watch_parent`) and exits; none stays an orphan."""
+    server = spawn(FLAGS, ONE_THREAD)
+    try:
+        wait_for(lambda: len(ranks_of(server.pid)) == 2, timeout=240, interval=0.1)
+        server.signal(signal.SIGKILL)
+        server.wait_exit(timeout=10)
+        took = wait_for(lambda: not ranks_of(server.pid), timeout=5)
+    finally:
+        server.kill()
+    print(f"  server SIGKILLed: its 2 ranks exited {took:.2f} s later")

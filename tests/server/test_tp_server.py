@@ -16,7 +16,9 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def tp_server():
-    srv = start_server("--tensor-parallel-size", "2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # per rank (the server itself only schedules)
+        srv = start_server("--tensor-parallel-size", "2")
     yield srv
     srv.signal()
     try:
