@@ -1297,6 +1297,8 @@ def main(argv: list[str] | None = None) -> int:
             section_parity_and_timing(args, device, report, Path(tmp), save)
         save()
     if device == "cuda":
+        section_tp(report)
+        save()
         from kvflow.kernels.triton import pdl
 
         report["pdl"] = pdl.pdl_args()["PDL"]  # on, where the card's probe passed
@@ -1321,6 +1323,24 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table)
     return 0 if report["ok"] else 1
+
+
+def section_tp(report: dict) -> None:
+    """Tensor parallelism at 2 ranks over NCCL (benchmarks/tp_bench.py), on the SmolLM2 shape
+    (9 heads: 6 + 3 per rank); needs two cards, and says so where there is one."""
+    if torch.cuda.device_count() < 2:
+        report["tp"] = {"skipped": "one visible GPU: TP over NCCL has not run"}
+        log("tensor parallel: skipped (one visible GPU; NCCL has not run)")
+        return
+    from tp_bench import tp_gpu_section
+
+    with tempfile.TemporaryDirectory(prefix="kvflow-tp-check-") as tmp:
+        build_checkpoint(SMOL, Path(tmp), "cpu", seed=5)
+        try:
+            report["tp"] = tp_gpu_section(tmp)
+        except Exception:
+            report["tp"] = {"error": traceback.format_exc()}
+    log(f"tensor parallel: {json.dumps(report['tp'], default=str)[:2000]}")
 
 
 def verdict(ok: bool | None) -> str:

@@ -45,6 +45,8 @@ class EngineArgs:
     # Schedule the next step while this one runs (EngineCore); None: on for CUDA, off for CPU
     async_scheduling: bool | None = None
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks, one process each (worker/executor.py)
+    distributed_executor_backend: str | None = None  # mp (None) | ray
     chat_template: str | None = None
     # vLLM's --structured-outputs-config (a StructuredOutputsConfig, its dict or JSON text)
     structured_outputs_config: Any = None
@@ -54,7 +56,12 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         """Refuse what vLLM's config refuses, with the flag's name, before anything loads."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
@@ -65,6 +72,11 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be mp or ray, got "
+                f"{self.distributed_executor_backend!r}."
             )
 
 
@@ -110,9 +122,13 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load the model and size the KV cache. Raises ValueError for an impossible geometry."""
+        log_steps = args.log_engine_steps or os.environ.get("KVFLOW_LOG_ENGINE_STEPS") == "1"
+        if args.tensor_parallel_size > 1:
+            from kvflow.worker.tp_builder import build_tp_engine
+
+            return build_tp_engine(cls, args, log_steps)
         from kvflow.worker.builder import build_engine  # torch lives below this line
 
-        log_steps = args.log_engine_steps or os.environ.get("KVFLOW_LOG_ENGINE_STEPS") == "1"
         return build_engine(cls, args, log_steps)
 
     def close(self) -> None:

@@ -106,7 +106,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, hf_config: object, head_dim: int) -> None:
         super().__init__()
-        with default_dtype(torch.float32):
+        with default_dtype(torch.float32), torch.device("cpu"):  # also when built on "meta"
             inv_freq, attention_scaling = _rope_frequencies(hf_config, head_dim)
         if inv_freq.numel() * 2 != head_dim:
             raise ValueError(f"partial rotary embeddings are not supported (head_dim {head_dim})")

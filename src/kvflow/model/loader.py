@@ -162,8 +162,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
                     if param_name not in params:
                         raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
                     param, loaded = params[param_name], tensors.get_tensor(name)
-                    param.weight_loader(param, loaded, shard_id)
-                    filled[param_name] += loaded.numel()
+                    # a sharded (tensor-parallel) loader returns how many elements it copied
+                    copied = param.weight_loader(param, loaded, shard_id)
+                    filled[param_name] += loaded.numel() if copied is None else copied
     missing = [name for name, param in params.items() if filled[name] != param.numel()]
     if missing:
         raise ValueError(f"Checkpoint in {path} does not fill parameters: {', '.join(missing)}")

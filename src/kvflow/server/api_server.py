@@ -40,6 +40,7 @@ from kvflow.server.routes import ServerContext, router
 from kvflow.server.serving_chat import ChatServing
 from kvflow.server.serving_completion import CompletionServing
 from kvflow.server.tool_choice import ToolConfig
+from kvflow.worker.executor import kill_all as kill_ranks
 
 logger = logging.getLogger("kvflow.server")
 
@@ -255,6 +256,7 @@ def _exit_during_start_up(signum: int, frame: FrameType | None) -> None:
     exception raised here can land in Python code that C++ called (torch's imports run such
     code), and escaping through C++ it aborts the process."""
     remove_scratch()
+    kill_ranks()  # tensor-parallel ranks started so far
     logger.info("signal %d during start-up: exiting", signum)
     logging.shutdown()
     os._exit(128 + signum)

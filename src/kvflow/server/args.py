@@ -85,6 +85,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="schedule each step while the previous one runs on the device, its sampled ids "
         "fed to the next on the device (default: on for CUDA, off for the CPU)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks the model is split over, one process each (torch.distributed)",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default=None,
+        help="how tensor-parallel ranks start: local processes (mp, the default) or Ray actors",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a file or an inline Jinja template")
     _add_structured_outputs_flags(p)
@@ -298,6 +311,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         chat_template=args.chat_template,
         structured_outputs_config=structured_outputs_config(args),
         log_engine_steps=args.log_engine_steps,

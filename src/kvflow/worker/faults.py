@@ -9,6 +9,8 @@ changes nothing: `FaultPlan.from_env()` returns None and the builder wraps nothi
       sleep:T:S      such a step first sleeps S seconds: a hung step (the watchdog's case)
       nan:T          the logits of requests whose prompt contains T are NaN on every step:
                      a request that fails alone inside the model
+      rankfail:R     tensor-parallel rank R raises during its start-up (after its process
+                     started): start-up must end with that rank's error
       overcommit:N   advertise max_model_len N tokens beyond what the KV pool can serve: breaks
                      liveness point 1, so the stuck-head guard (point 4) must catch it
 
@@ -36,6 +38,7 @@ class FaultPlan:
     sleep_s: float = 0.0
     nan_token: int | None = None
     overcommit: int = 0
+    fail_rank: int | None = None
 
     @classmethod
     def from_env(cls) -> FaultPlan | None:
@@ -58,12 +61,14 @@ class FaultPlan:
                     fields["nan_token"] = int(args[0])
                 elif kind == "overcommit" and len(args) == 1:
                     fields["overcommit"] = int(args[0])
+                elif kind == "rankfail" and len(args) == 1:
+                    fields["fail_rank"] = int(args[0])
                 else:
                     raise ValueError(item)
             except ValueError:
                 raise ValueError(
-                    f"{ENV}: cannot parse {item!r}; expected raise:T, sleep:T:S, nan:T or "
-                    "overcommit:N, comma-separated"
+                    f"{ENV}: cannot parse {item!r}; expected raise:T, sleep:T:S, nan:T, "
+                    "overcommit:N or rankfail:R, comma-separated"
                 ) from None
         return cls(**fields)
 

@@ -1,0 +1,120 @@
+"""Builds an LLMEngine whose model runs on `tensor_parallel_size` ranks: this process resolves
+the model (a GGUF is converted here, once, before any rank starts), the tokenizer and the
+geometry; the ranks load their shards and size their KV caches (see tp_worker.py); the
+executor (`mp`: worker/executor.py, `ray`: worker/ray_executor.py) is the EngineCore's runner.
+
+Steps are not overlapped with scheduling (async scheduling is off) and CUDA graphs are not
+captured: every rank runs each step eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from kvflow.model.loader import load_config, load_tokenizer, resolve_dtype, resolve_model
+from kvflow.model.tensor_parallel import check_divisible
+from kvflow.worker.builder import (
+    default_max_num_batched_tokens,
+    generation_eos_ids,
+    load_chat_template,
+    model_context_len,
+)
+from kvflow.worker.faults import FaultPlan
+from kvflow.worker.tp_worker import RankSpec
+
+logger = logging.getLogger("kvflow.engine")
+
+
+def rank_spec(args, path, device: str, dtype: torch.dtype, batched: int, eos) -> RankSpec:
+    from kvflow.worker.executor import free_port
+
+    return RankSpec(
+        world_size=args.tensor_parallel_size,
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        model_path=str(path),
+        dtype=str(dtype).removeprefix("torch."),
+        device=device,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=batched,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        eos_token_id=eos,
+        threads=None,
+    )
+
+
+def start_executor(backend: str | None, spec: RankSpec):
+    """The runner over the ranks: multiprocessing (default) or Ray actors."""
+    if backend == "ray":
+        from kvflow.worker.ray_executor import RayExecutor
+
+        return RayExecutor(spec)
+    from kvflow.worker.executor import MultiprocExecutor
+
+    return MultiprocExecutor(spec)
+
+
+def build_tp_engine(cls, args, log_steps: bool):
+    """Returns `cls(...)` (an LLMEngine) over started ranks. Raises ValueError for a geometry
+    or head split that cannot serve, RankError when a rank fails to start."""
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    world = args.tensor_parallel_size
+    if device.startswith("cuda") and torch.cuda.device_count() < world:
+        raise ValueError(
+            f"tensor_parallel_size {world} needs {world} CUDA devices; "
+            f"{torch.cuda.device_count()} visible."
+        )
+    path = resolve_model(args.model)
+    tokenizer = load_tokenizer(path)
+    load_chat_template(tokenizer, args.chat_template)
+    hf_config = load_config(path)
+    check_divisible(hf_config, world)
+    dtype = resolve_dtype(args.dtype, hf_config, device)
+    batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
+    eos = tokenizer.eos_token_id
+    spec = rank_spec(args, path, device, dtype, batched, eos)
+    runner = start_executor(args.distributed_executor_backend, spec)
+    try:
+        cache = CacheConfig(args.block_size, runner.num_blocks, args.enable_prefix_caching)
+        requested = None if args.max_model_len in (None, -1) else args.max_model_len
+        max_model_len = resolve_max_model_len(cache, model_context_len(hf_config), requested)
+        faults = FaultPlan.from_env()
+        if faults is not None:
+            max_model_len = faults.max_model_len(max_model_len)
+            logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
+            runner = faults.wrap(runner)
+    except BaseException:
+        runner.shutdown()  # (a FaultyRunner passes it on)
+        raise
+    scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
+    logger.info(
+        "tensor parallel: %d ranks (%s); KV cache: %d blocks x %d tokens; max_model_len %d; "
+        "dtype %s; device %s",
+        world,
+        args.distributed_executor_backend or "mp",
+        runner.num_blocks,
+        args.block_size,
+        max_model_len,
+        str(dtype).removeprefix("torch."),
+        device,
+    )
+    return cls(
+        EngineConfig(cache, scheduler),
+        runner,
+        tokenizer,
+        args.served_model_name or (args.model or "SmolLM2-135M-Instruct"),
+        eos,
+        dtype_name=str(dtype).removeprefix("torch."),
+        device=device,
+        log_steps=log_steps,
+        generation_eos_ids=generation_eos_ids(path),
+        async_scheduling=False,
+    )

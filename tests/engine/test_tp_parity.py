@@ -1,0 +1,54 @@
+"""`LLM(tensor_parallel_size=2)` against one rank on the embedded model in float32: the same
+greedy tokens for 5 prompts x 32 tokens batched with other requests, prefill chunked at 16
+tokens, through preemption (a pool of 8 usable blocks for 7 requests of 3 blocks each); then
+`shutdown` leaves no rank process, zombie or not (read from /proc)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvflow import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away,",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5,",
+    "The best way to learn a language is",
+]
+OTHERS = ["Tell me a story about a dragon", "List three colours:"]
+ENGINE = dict(dtype="float32", num_blocks=9, block_size=16, max_num_batched_tokens=16)
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
+    outs = llm.generate(PROMPTS + OTHERS, [greedy] * len(PROMPTS) + [seeded, greedy])
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+    assert llm.engine.stats().num_preemptions_total > 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "State:\tZ" not in status.read_text()
+    except FileNotFoundError:
+        return True
+
+
+def test_two_ranks_generate_one_ranks_greedy_tokens(monkeypatch) -> None:
+    one = _generate(LLM(**ENGINE))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # each rank's (read when it starts)
+    llm = LLM(**ENGINE, tensor_parallel_size=2)
+    runner = llm.engine.core.runner
+    pids = runner.pids
+    assert len(pids) == 2 and all(Path(f"/proc/{pid}").exists() for pid in pids)
+    try:
+        two = _generate(llm)
+    finally:
+        runner.shutdown()
+    assert two[: len(PROMPTS)] == one[: len(PROMPTS)]
+    assert two[-1] == one[-1]
+    assert all(not Path(f"/proc/{pid}").exists() or _gone(pid) for pid in pids)
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids)  # reaped, not zombies

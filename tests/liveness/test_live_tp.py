@@ -1,0 +1,199 @@
+"""The contract with tensor-parallel ranks, on real `kvflow serve --tensor-parallel-size 2`
+processes with real signals; ranks are found, and checked gone (no orphan, no zombie), in the
+real process table (/proc): a rank process is `python -m kvflow.worker.tp_worker ... --parent
+<server pid>`.
+
+  - a rank SIGKILLed under load is engine death: every in-flight request gets a terminal
+    error, /health turns 503, the server exits non-zero within 5 s, and no rank is left;
+  - a rank that hangs (SIGSTOP) trips the watchdog (/health 503, a WARNING) until it runs
+    again (SIGCONT); then SIGTERM drains the in-flight request and every rank ends;
+  - SIGTERM under load (abort mode) answers every client and ends every rank;
+  - a rank that fails at start-up ends start-up with that rank's error;
+  - a signal during start-up, while the ranks load, ends the server and every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support.live import geometry, spawn, sse_events, sse_lines
+from support.serverproc import ServerProcess, in_background, wait_for
+
+pytestmark = [pytest.mark.tp, pytest.mark.slow]
+
+FLAGS = [*geometry(16, 64), "--tensor-parallel-size", "2"]
+LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+DEATH_BOUND_S = 5.0  # engine death: exit within this of the kill
+EXIT_BOUND_S = 2.0  # SIGTERM: exit within this of the last answer (test_live_shutdown's bound)
+
+
+def ranks_of(server_pid: int) -> list[int]:
+    """Pids of live (not zombie) rank processes whose parent was `server_pid`, from /proc."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"kvflow.worker.tp_worker" in args and str(server_pid).encode() in args:
+            if state != "Z":
+                found.append(int(proc.name))
+    return found
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # per rank (and for the server, which only schedules)
+
+
+def start_tp(flags: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+    server = spawn(flags, {**ONE_THREAD, **(env or {})})
+    server.wait_healthy()
+    assert len(ranks_of(server.pid)) == 2
+    return server
+
+
+def health_samples(server: ServerProcess, stop_after: float) -> list[int | None]:
+    """/health statuses polled over one keep-alive connection for `stop_after` seconds, or
+    until nothing answers after a 503 (None: nothing answered)."""
+    seen: list[int | None] = []
+    end = time.monotonic() + stop_after
+    with httpx.Client(base_url=server.url, timeout=5.0) as client:
+        while time.monotonic() < end:
+            try:
+                seen.append(client.get("/health").status_code)
+            except httpx.HTTPError:
+                seen.append(None)
+                if 503 in seen:
+                    break
+            time.sleep(0.002)
+    return seen
+
+
+def test_rank_killed_under_load_is_engine_death() -> None:
+    server = start_tp(FLAGS)
+    try:
+        plain_thread, plain = in_background(lambda: server.post("/v1/completions", LONG))
+        stream_thread, stream = in_background(lambda: sse_lines(server, LONG))
+        wait_for(lambda: server.gauge("vllm:num_requests_running") == 2, timeout=60)
+        victim = ranks_of(server.pid)[1]
+        pollers = [in_background(lambda: health_samples(server, DEATH_BOUND_S)) for _ in "ab"]
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        code = server.wait_exit(timeout=DEATH_BOUND_S + 10)
+        exited = time.monotonic() - t0
+        for thread in (plain_thread, stream_thread, *(t for t, _ in pollers)):
+            thread.join(10)
+        polled = [s for _, result in pollers for s in result["value"]]
+        left = ranks_of(server.pid)
+    finally:
+        server.kill()
+    print(f"  rank {victim} SIGKILLed: exit {code} after {exited:.2f} s")
+    assert code != 0 and exited < DEATH_BOUND_S, server.log()[-3000:]
+    assert plain["value"].status_code == 500
+    assert "tensor-parallel rank" in plain["value"].json()["error"]["message"]
+    status, lines = stream["value"]
+    assert status == 200 and sse_events(lines)[-1]["error"]["code"] == 500
+    assert 503 in polled
+    assert not left
+
+
+def test_hung_rank_trips_the_watchdog_then_drain_ends_every_rank() -> None:
+    server = start_tp([*FLAGS, "--watchdog-timeout", "1", "--shutdown-timeout", "60"])
+    try:
+        thread, result = in_background(
+            lambda: server.post("/v1/completions", {**LONG, "max_tokens": 48})
+        )
+        wait_for(lambda: server.gauge("vllm:num_requests_running") == 1, timeout=60)
+        ranks = ranks_of(server.pid)
+        os.kill(ranks[1], signal.SIGSTOP)
+        try:
+            took = wait_for(lambda: server.health() == 503, timeout=30)
+        finally:
+            os.kill(ranks[1], signal.SIGCONT)
+        wait_for(lambda: server.health() == 200, timeout=30)
+        sent = server.signal(signal.SIGTERM)
+        thread.join(120)
+        answered = time.monotonic()
+        code = server.wait_exit(timeout=30)
+        after = time.monotonic() - answered
+        left = ranks_of(server.pid)
+    finally:
+        server.kill()
+    print(f"  rank stopped: /health 503 after {took:.2f} s; drained, exit {code} {after:.2f} s")
+    print(f"  after the last answer ({answered - sent:.1f} s drain)")
+    assert any("--watchdog-timeout" in ln for ln in server.log().splitlines() if "WARNING" in ln)
+    body = result["value"].json()
+    assert body["choices"][0]["finish_reason"] == "length", body
+    assert code == 0 and after < EXIT_BOUND_S and not left
+
+
+def test_sigterm_under_load_answers_every_client_and_ends_every_rank() -> None:
+    server = start_tp(FLAGS)
+    try:
+        plain_thread, plain = in_background(lambda: server.post("/v1/completions", LONG))
+        stream_thread, stream = in_background(lambda: sse_lines(server, LONG))
+        wait_for(lambda: server.gauge("vllm:num_requests_running") == 2, timeout=60)
+        server.signal(signal.SIGTERM)
+        plain_thread.join(30)
+        stream_thread.join(30)
+        answered = time.monotonic()
+        code = server.wait_exit(timeout=30)
+        after = time.monotonic() - answered
+        left = ranks_of(server.pid)
+    finally:
+        server.kill()
+    print(f"  SIGTERM under load: both answered, exit {code} {after:.2f} s after the last")
+    assert code == 0 and after < EXIT_BOUND_S and not left
+    assert plain["value"].status_code in (500, 503) and "error" in plain["value"].json()
+    status, lines = stream["value"]
+    assert status == 200 and "error" in sse_events(lines)[-1]
+
+
+def test_rank_failing_at_start_up_ends_start_up_with_its_error() -> None:
+    server = spawn(FLAGS, {**ONE_THREAD, "KVFLOW_FAULT": "rankfail:1"})
+    try:
+        code = server.wait_exit(timeout=240)
+        left = ranks_of(server.pid)
+    finally:
+        server.kill()
+    log = server.log()
+    assert code != 0 and not left
+    assert "tensor-parallel rank 1 failed at start-up" in log, log[-3000:]
+    assert "injected start-up failure of rank 1" in log
+
+
+def test_signal_while_the_ranks_load_ends_everything() -> None:
+    server = spawn(FLAGS, ONE_THREAD)
+    try:
+        wait_for(lambda: len(ranks_of(server.pid)) == 2, timeout=240, interval=0.1)
+        time.sleep(1.0)  # the ranks are importing torch or loading their shards
+        assert server.health() is None
+        sent = server.signal(signal.SIGTERM)
+        code = server.wait_exit(timeout=15)
+        took = time.monotonic() - sent
+        wait_for(lambda: not ranks_of(server.pid), timeout=2)
+    finally:
+        server.kill()
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM) and took < 10
+
+
+def test_ranks_of_a_sigkilled_server_exit_on_their_own() -> None:
+    """Nothing can stop the ranks of a server killed with SIGKILL but the ranks themselves:
+    each sees its parent gone (`tp_worker.watch_parent`) and exits; none stays an orphan."""
+    server = spawn(FLAGS, ONE_THREAD)
+    try:
+        wait_for(lambda: len(ranks_of(server.pid)) == 2, timeout=240, interval=0.1)
+        server.signal(signal.SIGKILL)
+        server.wait_exit(timeout=10)
+        took = wait_for(lambda: not ranks_of(server.pid), timeout=5)
+    finally:
+        server.kill()
+    print(f"  server SIGKILLed: its 2 ranks exited {took:.2f} s later")
