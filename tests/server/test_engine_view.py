@@ -158,3 +158,27 @@ def test_default_sampling_params_reads_only_vllms_fields(tmp_path):
         from kvflow.server.generation_defaults import parse_override
 
         parse_override("[1]")
+
+
+def test_a_snapshot_that_outwaits_a_step_leaves_the_engine_alive(tokenizer, monkeypatch):
+    """A caller that stops waiting (a step longer than the wait) reads the state from outside;
+    the engine thread then finds the request cancelled and goes on."""
+    import kvflow.engine.async_llm as async_llm
+
+    monkeypatch.setattr(async_llm, "_SNAPSHOT_WAIT_S", 0.01)
+
+    async def scenario(client, engine, runner) -> dict:
+        runner.delay = 0.2
+        done = asyncio.create_task(client.post("/v1/completions", json={**LONG, "max_tokens": 8}))
+        await wait(lambda: engine.stats().num_running == 1)
+        snaps = []
+        for _ in range(4):
+            snaps.append(await client.get("/v1/engine/snapshot"))
+            await asyncio.sleep(0.3)
+        return {"snaps": snaps, "done": await done, "healthy": engine.is_healthy}
+
+    result, controller = serve(tokenizer, [], scenario)
+    assert all(r.status_code in (200, 503) for r in result["snaps"])
+    assert any(r.status_code == 200 for r in result["snaps"])
+    assert result["done"].status_code == 200 and result["healthy"]
+    assert controller.exit_code == 0

@@ -116,6 +116,7 @@ ANSWER_DONE = """() => {
 
 
 def test_a_typed_message_streams_an_answer_kept_in_the_browser(server, page):
+    assert f"chat and live engine view: {server.url}/" in server.log()  # the start-up line
     page.goto(f"{server.url}/")
     sync_api.expect(page.locator("#model-name")).to_contain_text("SmolLM2-135M-Instruct")
     page.click("#settings summary")

@@ -224,7 +224,7 @@ class AsyncEngine:
         if engine is None:  # no thread steps the engine, or a step is stalled: read as is
             try:
                 engine = self.engine.snapshot()
-            except RuntimeError as exc:  # the stalled step moved on while this read
+            except Exception as exc:  # the stalled step moved on while this read
                 raise EngineUnavailableError(f"The engine is busy in a step ({exc}).") from exc
         return LiveSnapshot(engine, self.history.series(history_s), self.is_healthy)
 
@@ -458,7 +458,12 @@ class AsyncEngine:
 
 
 def _resolve(future: concurrent.futures.Future, fn: Callable) -> None:
+    """Answer a snapshot request, unless its caller stopped waiting (cancelled: skipped)."""
+    if not future.set_running_or_notify_cancel():
+        return
     try:
-        future.set_result(fn())
+        result = fn()
     except Exception as exc:
         future.set_exception(exc)
+        return
+    future.set_result(result)
