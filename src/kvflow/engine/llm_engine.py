@@ -69,8 +69,12 @@ class LLMEngine:
         log_steps: bool = False,
         generation_eos_ids: frozenset[int] = frozenset(),
         async_scheduling: bool = False,
+        core: EngineCore | None = None,
     ) -> None:
+        """`core`: the EngineCore to drive (default: one made over `runner`); an API server
+        whose core runs in the engine process passes a `core_client.RemoteCore`."""
         self.config = config
+        self.model_path = None  # the resolved model directory, set by the builder
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = eos_token_id
@@ -78,7 +82,9 @@ class LLMEngine:
         self.generation_eos_ids = generation_eos_ids - {eos_token_id}
         self.dtype_name = dtype_name
         self.device = device
-        self.core = EngineCore(config, runner, log_steps, async_scheduling)
+        self.core = (
+            core if core is not None else EngineCore(config, runner, log_steps, async_scheduling)
+        )
         self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod

@@ -26,7 +26,10 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from kvflow.engine import core_launch
 from kvflow.engine.async_llm import AsyncEngine
+from kvflow.engine.core_client import ProcessEngine, RemoteCore
+from kvflow.engine.core_launch import EngineProcess, EngineStartError
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.loader import remove_scratch
 from kvflow.server.args import add_serve_arguments, engine_args_from
@@ -110,16 +113,29 @@ def build_app(
     engine: LLMEngine,
     args: argparse.Namespace,
     api_key: str | None = None,
+    process: EngineProcess | None = None,
 ) -> tuple[FastAPI, ShutdownController]:
-    """The app over `engine`; the engine thread starts and stops with the app's lifespan."""
+    """The app over `engine`, stepped by a thread of this process, or with `process` by the
+    engine core process (`engine` is then the API side's: tokenizer and detokenizer); the
+    engine starts and stops with the app's lifespan."""
     names = args.served_model_name or [engine.model_name]
     metrics = ServerMetrics(names[0], engine.config, args.gpu_memory_utilization)
-    async_engine = AsyncEngine(
-        engine,
+    options = dict(
         stat_logger=metrics,
         max_num_queued_reqs=args.max_num_queued_reqs,
         watchdog_timeout=args.watchdog_timeout,
     )
+    if process is None:
+        async_engine = AsyncEngine(engine, **options)
+    else:
+        index = getattr(args, "api_server_index", 0)
+        async_engine = ProcessEngine(
+            engine,
+            process,
+            identity=api_identity(index),
+            owns_process=process.proc is not None,
+            **options,
+        )
     controller = ShutdownController(async_engine, args.shutdown_timeout)
     root = args.model or args.model_tag or engine.model_name
     common = dict(
@@ -192,6 +208,7 @@ def _exit_during_start_up(signum: int, frame: FrameType | None) -> None:
     directory, a kernel build's output) and exits with 128 + signal. It raises nothing: an
     exception raised here can land in Python code that C++ called (torch's imports run such
     code), and escaping through C++ it aborts the process."""
+    core_launch.stop_starting(signum)  # the engine process cleans up and exits first
     remove_scratch()
     logger.info("signal %d during start-up: exiting", signum)
     logging.shutdown()
@@ -217,14 +234,40 @@ def _load_engine(args: argparse.Namespace) -> LLMEngine:
     return engine
 
 
-def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
+def api_identity(index: int) -> bytes:
+    return f"api-{index}".encode()
+
+
+def _start_engine(args: argparse.Namespace) -> tuple[LLMEngine, EngineProcess | None]:
+    """The engine core process (started here, or by the --api-server-count supervisor) and
+    this process's side of it; with KVFLOW_ENGINE_PROCESS=0 the whole engine in this process."""
+    if args.engine_address is not None:
+        ready = core_launch.wait_ready(
+            args.engine_address, api_identity(args.api_server_index), None
+        )
+        process = EngineProcess(args.engine_address, ready)
+    elif core_launch.engine_process_enabled():
+        process = core_launch.launch_engine(engine_args_from(args), args.watchdog_timeout)
+    else:
+        return _load_engine(args), None
+    engine = core_launch.frontend(process.ready, RemoteCore(), args.chat_template)
+    gc.collect()
+    gc.freeze()
+    return engine, process
+
+
+def _build_server(
+    engine: LLMEngine, args: argparse.Namespace, process: EngineProcess | None = None
+) -> _Server:
     _banner(engine, args)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLOW_API_KEY")
-    app, controller = build_app(engine, args, api_key)
+    app, controller = build_app(engine, args, api_key, process)
+    listen = {"host": args.host, "port": args.port}
+    if args.listen_fd is not None:  # the supervisor's socket, shared by every API server
+        listen = {"fd": args.listen_fd}
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        **listen,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=5,
@@ -246,11 +289,13 @@ def run_server(args: argparse.Namespace) -> int:
     _configure_logging()
     _install_start_up_signals()
     try:
-        engine = _load_engine(args)
-        server = _build_server(engine, args)
+        engine, process = _start_engine(args)
+        server = _build_server(engine, args, process)
     except ValueError as exc:
         print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except EngineStartError as exc:  # the engine process said why on stderr
+        return exc.code if exc.code > 0 else 1
     controller = server.controller
     code = None
     try:
@@ -286,7 +331,17 @@ def _exit_now(status: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvflow serve")
     add_serve_arguments(parser)
-    return run_server(parser.parse_args(argv))
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvflow serve`: one API server process over the engine process, or with
+    --api-server-count N > 1 a supervisor of N of them (`api_servers`)."""
+    if args.api_server_count > 1 and args.engine_address is None:
+        from kvflow.server.api_servers import run_supervisor
+
+        return run_supervisor(args)
+    return run_server(args)
 
 
 if __name__ == "__main__":

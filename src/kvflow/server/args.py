@@ -124,6 +124,24 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=_positive_int,
+        default=1,
+        help="API server processes on one port, all over one engine core process",
+    )
+    # Set by the --api-server-count supervisor for each API server process it starts.
+    p.add_argument("--engine-address", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--api-server-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
 
 
 def _non_negative(text: str) -> float:

@@ -22,6 +22,7 @@ from kvflow.model.loader import (
     resolve_model,
 )
 from kvflow.sampling_params import SamplingParams
+from kvflow.worker import null_runner
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.model_runner import ModelRunner
@@ -238,9 +239,9 @@ def build_engine(cls, args, log_steps: bool):
         str(dtype).removeprefix("torch."),
         device,
     )
-    return cls(
+    engine = cls(
         EngineConfig(cache, scheduler),
-        runner,
+        null_runner.from_env(runner, hf_config.vocab_size, eos),
         tokenizer,
         name,
         eos,
@@ -252,6 +253,8 @@ def build_engine(cls, args, log_steps: bool):
             device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         ),
     )
+    engine.model_path = path  # the engine process tells its API servers where the tokenizer is
+    return engine
 
 
 def generation_eos_ids(path: Path) -> frozenset[int]:
