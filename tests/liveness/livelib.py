@@ -73,10 +73,9 @@ class Live(ServerProcess):
         )
 
     def cpu_seconds(self) -> float:
-        """utime + stime of the whole process (every thread), from /proc/<pid>/stat."""
-        stat = Path(f"/proc/{self.pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """utime + stime of the server and its child processes (the engine core process),
+        every thread, from /proc/<pid>/stat."""
+        return sum(process_cpu_seconds(pid) for pid in [self.pid, *self.children()])
 
     def children(self) -> list[int]:
         """Pids of the process's children (from every thread's /proc children list)."""
@@ -90,6 +89,16 @@ class Live(ServerProcess):
 
     def num_threads(self) -> int:
         return len(list(Path(f"/proc/{self.pid}/task").glob("*")))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (every thread); 0 once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def spawn(flags: list[str], env: dict[str, str] | None = None) -> Live:

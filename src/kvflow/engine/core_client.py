@@ -214,8 +214,9 @@ class ProcessEngine:
 
     @property
     def stalled(self) -> bool:
-        """Busy, and nothing heard from the engine for longer than --watchdog-timeout: a step
-        that runs too long (or a stopped process)."""
+        """Busy, and the engine's latest Step was sent longer than --watchdog-timeout ago
+        (it starts its next step right after): a step that runs too long, or a stopped
+        process. The engine process logs the WARNING (its StepWatchdog)."""
         return (
             self.watchdog_timeout > 0
             and self._busy
@@ -354,7 +355,6 @@ class ProcessEngine:
                 return
 
     def _on_message(self, msg: wire.Up) -> None:
-        self._heard = time.monotonic()
         if isinstance(msg, wire.Step):
             self._on_step(msg)
         elif isinstance(msg, wire.UtilityResult):
@@ -370,6 +370,7 @@ class ProcessEngine:
             self._bye.set()
 
     def _on_step(self, msg: wire.Step) -> None:
+        self._heard = max(msg.sent_at, self._heard)
         self._latest = self.remote.latest = msg.stats
         self._busy = msg.busy or self.remote.adds_sent > msg.adds_applied
         self._adds_applied = msg.adds_applied

@@ -201,8 +201,9 @@ class EngineCoreProc:
         stats = self.core.stats()
         busy = self.core.has_unfinished_requests()
         tokens = self.core.last_step_tokens
+        now = time.monotonic()
         for identity, outs in per_client.items():
-            step = wire.Step(outs, stats, step_start, tokens, busy, self.clients[identity])
+            step = wire.Step(outs, stats, step_start, tokens, busy, self.clients[identity], now)
             self._send(identity, step)
 
     def _broadcast(self, msg: object) -> None:

@@ -89,6 +89,7 @@ class Step(msgspec.Struct, tag=True, array_like=True):
     step_tokens: int
     busy: bool  # the engine has unfinished requests (of any client) after this pass
     adds_applied: int  # NewRequests of this client the engine has taken, in all
+    sent_at: float  # time.monotonic() when sent: the next step starts right after
 
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True):
