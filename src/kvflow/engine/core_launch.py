@@ -13,11 +13,9 @@ half-written, then exits).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -25,7 +23,7 @@ import msgspec
 import zmq
 
 from kvflow.engine import core_wire as wire
-from kvflow.engine.core_proc import LaunchSpec
+from kvflow.engine.core_proc import LaunchSpec, set_parent_death_signal
 from kvflow.engine.llm_engine import EngineArgs, LLMEngine
 
 ENV = "KVFLOW_ENGINE_PROCESS"  # "0": the server steps its engine on a thread of its own process
@@ -147,15 +145,9 @@ def frontend(ready: wire.Ready, core: object, chat_template: str | None) -> LLME
     )
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def wait_exit(proc: subprocess.Popen, deadline: float) -> int | None:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return proc.returncode
-        time.sleep(0.02)
-    return None
+def die_with_parent() -> None:
+    """For a process the supervisor started: die with it; exit now if it is already gone."""
+    parent = os.getppid()
+    set_parent_death_signal()
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)

@@ -255,7 +255,7 @@ def _error_output(req_id: str, error: str) -> list:
 # ---- the process ---------------------------------------------------------------------------
 
 
-def _set_parent_death_signal() -> None:
+def set_parent_death_signal() -> None:
     """The kernel kills this process when its parent dies (Linux; elsewhere a no-op)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -313,7 +313,7 @@ def serve(address: str, spec: LaunchSpec) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     address, spec = argv[0], msgspec.json.decode(argv[1], type=LaunchSpec)
-    _set_parent_death_signal()
+    set_parent_death_signal()
     if os.getppid() != spec.parent_pid:  # the parent died before the line above
         return 1
     logging.basicConfig(

@@ -29,10 +29,10 @@ from fastapi import FastAPI
 from kvflow.engine import core_launch
 from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.core_client import ProcessEngine, RemoteCore
-from kvflow.engine.core_launch import EngineProcess, EngineStartError
+from kvflow.engine.core_launch import EngineProcess, EngineStartError, die_with_parent
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.loader import remove_scratch
-from kvflow.server.args import add_serve_arguments, engine_args_from
+from kvflow.server.args import add_serve_arguments, args_from_env, engine_args_from
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.metrics import ServerMetrics
 from kvflow.server.routes import ServerContext, router
@@ -242,6 +242,7 @@ def _start_engine(args: argparse.Namespace) -> tuple[LLMEngine, EngineProcess | 
     """The engine core process (started here, or by the --api-server-count supervisor) and
     this process's side of it; with KVFLOW_ENGINE_PROCESS=0 the whole engine in this process."""
     if args.engine_address is not None:
+        die_with_parent()
         ready = core_launch.wait_ready(
             args.engine_address, api_identity(args.api_server_index), None
         )
@@ -331,7 +332,7 @@ def _exit_now(status: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvflow serve")
     add_serve_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(args_from_env() or parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
 from kvflow.engine.llm_engine import EngineArgs
 
+ARGS_ENV = "KVFLOW_API_SERVER_ARGS"  # an API server's flags as JSON, set by the supervisor
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
@@ -135,6 +137,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-address", default=None, help=argparse.SUPPRESS)
     p.add_argument("--api-server-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def args_from_env() -> argparse.Namespace | None:
+    """An API server's flags when the --api-server-count supervisor started it, else None."""
+    text = os.environ.get(ARGS_ENV)
+    return None if text is None else argparse.Namespace(**json.loads(text))
 
 
 def _positive_int(text: str) -> int:
