@@ -76,9 +76,13 @@ class EngineCoreProc:
         self.codec = wire.Codec()
         self.clients: dict[bytes, int] = {}  # identity -> NewRequests applied
         self.owner: dict[str, bytes] = {}  # core request id -> its client's identity
-        self.loop_stats = LoopStats()
+        self.timing = LoopStats()
         self._stopping = False
         self._watchdog = StepWatchdog(watchdog_timeout) if watchdog_timeout > 0 else None
+
+    def loop_stats(self) -> LoopStats:
+        """Where the loop's time went so far (a utility call's answer)."""
+        return self.timing
 
     def run(self) -> int:
         """Serve until Shutdown (returns 0) or an exception (fails everything, returns 1)."""
@@ -92,10 +96,10 @@ class EngineCoreProc:
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop(5.0)
-            logger.info("engine loop: %s", self.loop_stats.line())
+            logger.info("engine loop: %s", self.timing.line())
 
     def _iterate(self) -> bool:
-        st = self.loop_stats
+        st = self.timing
         st.passes += 1
         t0 = time.monotonic()
         if not self.core.has_unfinished_requests():
