@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from kvflow.engine.async_stats import StatLogger, StatsTracker, StepWatchdog
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.engine.output_merge import merge_delta
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -66,12 +67,14 @@ def terminal_output(req_id: str, n: int, reason: str, error: str | None = None) 
 
 class RequestStream:
     """The outputs of one request, in order; iteration ends after the terminal output.
-    `abort()` (or leaving the iteration early through `AsyncEngine.generate`) frees its blocks."""
+    `abort()` (or leaving the iteration early through `AsyncEngine.generate`) frees its blocks.
+    Deltas the reader has not taken yet are merged into one (`output_merge`)."""
 
     def __init__(self, request_id: str, n: int, release: Callable[[str, bool], None]) -> None:
         self.request_id = request_id
         self.n = n
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
         self._release = release
         self.finished = False
         self.terminal_queued = False
@@ -79,7 +82,9 @@ class RequestStream:
     def put(self, output: RequestOutput) -> None:
         if not self.terminal_queued:
             self.terminal_queued = output.finished
-            self._queue.put_nowait(output)
+            pending = self._pending
+            self._pending = output if pending is None else merge_delta(pending, output)
+            self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -87,7 +92,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        output = await self._queue.get()
+        if self._pending is None:
+            await self._ready.wait()
+        output, self._pending = self._pending, None
+        self._ready.clear()
         if output.finished:
             self.finished = True
             self._release(self.request_id, False)
