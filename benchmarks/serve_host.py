@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,10 +31,15 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from server.serverproc import free_port  # noqa: E402
 
-MODES = {"in-process": "0", "engine-process": "1"}
+# mode -> (KVFLOW_ENGINE_PROCESS, KVFLOW_MERGE_DELTAS); "today": the code before issue 22
+MODES = {"today": ("0", "0"), "in-process": ("0", "1"), "engine-process": ("1", "1")}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def proc_cpu(pid: int) -> float:
@@ -61,7 +67,8 @@ def start_server(mode: str, args: argparse.Namespace, log: Path) -> tuple[subpro
     env = {
         **os.environ,
         "KVFLOW_NULL_RUNNER": str(args.step_ms / 1000),
-        "KVFLOW_ENGINE_PROCESS": MODES[mode],
+        "KVFLOW_ENGINE_PROCESS": MODES[mode][0],
+        "KVFLOW_MERGE_DELTAS": MODES[mode][1],
         "PYTHONPATH": str(ROOT / "src"),
     }
     cmd = [sys.executable, "-m", "kvflow.server.api_server", "--port", str(port)]
@@ -101,7 +108,7 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
     try:
         engine_pids = children(proc.pid)
         for c in args.concurrency_list:
-            pids = {"api": proc.pid, **{"engine": p for p in engine_pids}}
+            pids = {"api": proc.pid, **({"engine": engine_pids[0]} if engine_pids else {})}
             before = {k: proc_cpu(p) for k, p in pids.items()}
             res = bench(port, c, args, tmp / f"{mode}-c{c}.json")
             after = {k: proc_cpu(p) for k, p in pids.items()}
@@ -143,28 +150,30 @@ def main() -> None:
 
 
 def table(runs: dict[str, list], levels: list[int]) -> str:
-    def med(values: list[float]) -> float:
-        values = sorted(values)
-        return values[len(values) // 2]
+    """Medians over the repeats: tok/s per mode, the ratio to today's, CPU us per token."""
+
+    def med(mode: str, c: int, key: str, proc: str | None = None) -> float:
+        values = []
+        for run in runs[mode]:
+            row = run["rows"][c]
+            values.append(row[key] if proc is None else row[key].get(proc, 0.0))
+        return sorted(values)[len(values) // 2]
 
     lines = [
-        "| concurrency | in-process tok/s | engine process tok/s | ratio | in-process CPU us/tok "
-        "(API) | engine-process CPU us/tok (API + engine) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | today tok/s | in-process + merged deltas | engine process | "
+        "engine process / today | CPU us/tok today | CPU us/tok engine process (API + engine) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in levels:
-        a = med([r["rows"][c]["tok_s"] for r in runs["in-process"]])
-        b = med([r["rows"][c]["tok_s"] for r in runs["engine-process"]])
-        ca = med([r["rows"][c]["cpu_us_per_tok"]["api"] for r in runs["in-process"]])
-        cb_api = med([r["rows"][c]["cpu_us_per_tok"]["api"] for r in runs["engine-process"]])
-        cb_eng = med(
-            [r["rows"][c]["cpu_us_per_tok"].get("engine", 0) for r in runs["engine-process"]]
-        )
+        base, merged, proc = (med(m, c, "tok_s") for m in MODES)
+        cpu_base = med("today", c, "cpu_us_per_tok", "api")
+        cpu_api = med("engine-process", c, "cpu_us_per_tok", "api")
+        cpu_eng = med("engine-process", c, "cpu_us_per_tok", "engine")
         lines.append(
-            f"| {c} | {a:,.0f} | {b:,.0f} | {b / a:.2f}x | {ca:.0f} | {cb_api:.0f} + {cb_eng:.0f} |"
+            f"| {c} | {base:,.0f} | {merged:,.0f} | {proc:,.0f} | {proc / base:.2f}x | "
+            f"{cpu_base:.0f} | {cpu_api:.0f} + {cpu_eng:.0f} |"
         )
-    loop = runs["engine-process"][-1]["loop"]
-    lines.append(f"\nengine loop (last engine-process run): {loop}")
+    lines.append(f"\nengine loop (last engine-process run): {runs['engine-process'][-1]['loop']}")
     return "\n".join(lines)
 
 

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from kvflow.engine.core_client import ProcessEngine, RemoteCore
-from kvflow.engine.core_launch import frontend, launch_engine
+from kvflow.engine.core_launch import frontend, launch_engine, load_frontend_tokenizer
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import EngineArgs
+from kvflow.model.loader import resolve_model
 from kvflow.sampling_params import SamplingParams
 
 ARGS = dict(dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8)
@@ -24,7 +25,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def process() -> Iterator:
-    proc = launch_engine(EngineArgs(**ARGS))
+    proc, _ = launch_engine(EngineArgs(**ARGS))
     try:
         yield proc
     finally:
@@ -36,7 +37,9 @@ def process() -> Iterator:
 def run(process, scenario, **kwargs):
     """Run `scenario(engine)` on a fresh event loop with a client that does not stop the
     process (the module shares it)."""
-    engine = frontend(process.ready, RemoteCore(), None)
+    engine = frontend(
+        process.ready, RemoteCore(), load_frontend_tokenizer(process.ready.model_path, None)
+    )
 
     async def main():
         client = ProcessEngine(engine, process, owns_process=False, **kwargs)
@@ -114,8 +117,10 @@ def test_queue_limit_counts_adds_the_engine_has_not_taken(process) -> None:
 
 
 def test_shutdown_stops_the_process_with_status_0() -> None:
-    proc = launch_engine(EngineArgs(**ARGS))
-    engine = frontend(proc.ready, RemoteCore(), None)
+    proc, tokenizer = launch_engine(
+        EngineArgs(**ARGS), meanwhile=lambda: load_frontend_tokenizer(resolve_model(None), None)
+    )
+    engine = frontend(proc.ready, RemoteCore(), tokenizer)
 
     async def main():
         client = ProcessEngine(engine, proc)

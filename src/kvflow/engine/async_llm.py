@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -30,6 +32,10 @@ from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.engine")
+
+
+# "0": a stream hands out every delta as it came (the host benchmark's baseline)
+MERGE_DELTAS = os.environ.get("KVFLOW_MERGE_DELTAS", "1") != "0"
 
 
 class EngineUnavailableError(RuntimeError):
@@ -74,6 +80,7 @@ class RequestStream:
         self.request_id = request_id
         self.n = n
         self._pending: RequestOutput | None = None
+        self._backlog: deque[RequestOutput] = deque()  # only with KVFLOW_MERGE_DELTAS=0
         self._ready = asyncio.Event()
         self._release = release
         self.finished = False
@@ -83,6 +90,9 @@ class RequestStream:
         if not self.terminal_queued:
             self.terminal_queued = output.finished
             pending = self._pending
+            if pending is not None and not MERGE_DELTAS:  # (benchmarks: one delta per read)
+                self._backlog.append(pending)
+                pending = None
             self._pending = output if pending is None else merge_delta(pending, output)
             self._ready.set()
 
@@ -92,10 +102,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        if self._pending is None:
-            await self._ready.wait()
-        output, self._pending = self._pending, None
-        self._ready.clear()
+        if self._backlog:
+            output = self._backlog.popleft()
+        else:
+            if self._pending is None:
+                await self._ready.wait()
+            output, self._pending = self._pending, None
+            self._ready.clear()
         if output.finished:
             self.finished = True
             self._release(self.request_id, False)

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -92,17 +94,25 @@ def wait_ready(address: str, identity: bytes, proc: subprocess.Popen | None) -> 
         sock.close()
 
 
-def launch_engine(args: EngineArgs, watchdog_timeout: float = 0.0) -> EngineProcess:
+def launch_engine(
+    args: EngineArgs, watchdog_timeout: float = 0.0, meanwhile: Callable[[], Any] | None = None
+) -> tuple[EngineProcess, Any]:
+    """Start the engine process, run `meanwhile()` here while it loads (the API side's own
+    start-up: its tokenizer), wait for Ready. Returns the process and what `meanwhile` gave.
+    On any error the engine process is killed before it propagates."""
     address = new_address()
     proc = spawn_engine(args, watchdog_timeout, address)
     try:
+        prepared = meanwhile() if meanwhile is not None else None
         ready = wait_ready(address, b"api-0", proc)
     except BaseException:
-        stop_process(proc, 5.0)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
         raise
     finally:
         _starting.clear()
-    return EngineProcess(address, ready, proc)
+    return EngineProcess(address, ready, proc), prepared
 
 
 def stop_starting(signum: int, timeout: float = 8.0) -> None:
@@ -125,13 +135,17 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> int:
         return proc.wait()
 
 
-def frontend(ready: wire.Ready, core: object, chat_template: str | None) -> LLMEngine:
-    """The API side's LLMEngine: this process's tokenizer and output processor over `core`."""
+def load_frontend_tokenizer(path: str | os.PathLike[str], chat_template: str | None) -> Any:
     from kvflow.model.loader import load_tokenizer
     from kvflow.worker.builder import load_chat_template
 
-    tokenizer = load_tokenizer(ready.model_path)
+    tokenizer = load_tokenizer(path)
     load_chat_template(tokenizer, chat_template)
+    return tokenizer
+
+
+def frontend(ready: wire.Ready, core: object, tokenizer: Any) -> LLMEngine:
+    """The API side's LLMEngine: this process's tokenizer and output processor over `core`."""
     return LLMEngine(
         ready.config,
         None,

@@ -31,7 +31,7 @@ from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.core_client import ProcessEngine, RemoteCore
 from kvflow.engine.core_launch import EngineProcess, EngineStartError, die_with_parent
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.model.loader import remove_scratch
+from kvflow.model.loader import remove_scratch, resolve_model
 from kvflow.server.args import add_serve_arguments, args_from_env, engine_args_from
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.metrics import ServerMetrics
@@ -247,11 +247,20 @@ def _start_engine(args: argparse.Namespace) -> tuple[LLMEngine, EngineProcess | 
             args.engine_address, api_identity(args.api_server_index), None
         )
         process = EngineProcess(args.engine_address, ready)
+        tokenizer = core_launch.load_frontend_tokenizer(ready.model_path, args.chat_template)
     elif core_launch.engine_process_enabled():
-        process = core_launch.launch_engine(engine_args_from(args), args.watchdog_timeout)
+        engine_args = engine_args_from(args)
+        # A conversion runs here, before the engine process starts (which then finds it done):
+        # this process's start-up signal handler removes a half-written one.
+        path = resolve_model(engine_args.model)
+        process, tokenizer = core_launch.launch_engine(
+            engine_args,
+            args.watchdog_timeout,
+            lambda: core_launch.load_frontend_tokenizer(path, args.chat_template),
+        )
     else:
         return _load_engine(args), None
-    engine = core_launch.frontend(process.ready, RemoteCore(), args.chat_template)
+    engine = core_launch.frontend(process.ready, RemoteCore(), tokenizer)
     gc.collect()
     gc.freeze()
     return engine, process

@@ -48,7 +48,7 @@ def run_supervisor(args: argparse.Namespace) -> int:
         signal.signal(sig, _exit_during_start_up)
     listener = _listen(args.host, args.port)
     try:
-        engine = core_launch.launch_engine(engine_args_from(args), args.watchdog_timeout)
+        engine, _ = core_launch.launch_engine(engine_args_from(args), args.watchdog_timeout)
     except ValueError as exc:
         print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
