@@ -117,6 +117,7 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
                 "tok_s": res["output_throughput"],
                 "ttft_p50_ms": res.get("median_ttft_ms"),
                 "errors": res["errors"],
+                "load_avg_1m": os.getloadavg()[0],  # the host is shared: how busy it was
                 "cpu_us_per_tok": {k: (after[k] - before[k]) / max(tokens, 1) * 1e6 for k in pids},
             }
             print(f"  {mode} c={c}: {res['output_throughput']:.0f} tok/s {rows[c]}", flush=True)
