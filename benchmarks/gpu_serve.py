@@ -151,6 +151,8 @@ def served(name: str, path: Path, args, workdir: Path, entry: dict, save) -> Non
 def section_served(args, workdir: Path, report: dict, save) -> None:
     shapes = gc_.SMOKE_SHAPES if args.smoke else gc_.FULL_SHAPES
     for name, shape in shapes.items():
+        if args.models and name not in args.models.split(","):
+            continue
         path = workdir / name
         build(shape, path, args.device)
         entry: dict = {"model": name, "served": []}
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--skip-served", action="store_true")
     p.add_argument("--skip-8b", action="store_true")
+    p.add_argument("--models", default=None, help="comma-separated: served only these shapes")
     args = p.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.levels = [1, 4] if args.smoke else [1, 8, 64, 256]

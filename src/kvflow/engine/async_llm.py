@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.engine.async_stats import StatLogger, StatsTracker, StepWatchdog
 from kvflow.engine.engine_core import EngineStats
@@ -62,6 +63,13 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class _Call:
+    method: str
+    args: tuple
+    future: asyncio.Future
 
 
 def terminal_output(req_id: str, n: int, reason: str, error: str | None = None) -> RequestOutput:
@@ -133,7 +141,7 @@ class AsyncEngine:
         self.max_num_queued_reqs = max_num_queued_reqs
         self.watchdog_timeout = watchdog_timeout
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _Call] = []
         self._stopping = False
         self._pending_adds = 0
         self._latest = engine.stats()
@@ -289,6 +297,16 @@ class AsyncEngine:
         """Requests whose consumer has not yet read their terminal output."""
         return list(self._streams)
 
+    async def call_utility(self, method: str, *args: Any, type: Any = None) -> Any:
+        """Run `method(*args)` of the LLMEngine (else of its EngineCore) on the engine thread
+        between two steps; its result. The process-backed engine has the same call (`type`
+        is for its decoding). Raises RuntimeError naming an unknown method."""
+        if not self._thread_alive():
+            raise EngineDeadError(self.dead_error or "the engine is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._post(_Call(method, args, future))
+        return await future
+
     def _release(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
         if abort and self._thread_alive():
@@ -303,7 +321,7 @@ class AsyncEngine:
         free = 0 if stats.num_waiting else max(seqs - stats.num_running, 0)
         return stats.num_waiting + max(self._pending_adds + adding - free, 0)
 
-    def _post(self, command: _Add | _Abort) -> None:
+    def _post(self, command: _Add | _Abort | _Call) -> None:
         with self._cond:
             self._inbox.append(command)
             self._cond.notify()
@@ -355,9 +373,12 @@ class AsyncEngine:
         self._publish(outputs, step_start, num_adds)
         return not stopping
 
-    def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
+    def _apply(self, commands: list[_Add | _Abort | _Call]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for cmd in commands:
+            if isinstance(cmd, _Call):
+                self._call(cmd)
+                continue
             if isinstance(cmd, _Abort):
                 ids = [i for i in cmd.request_ids if i in self._tracker]
                 outputs += self.engine.abort_request(ids)
@@ -373,6 +394,25 @@ class AsyncEngine:
             except ValueError as exc:
                 outputs.append(terminal_output(cmd.request_id, cmd.params.n, "error", str(exc)))
         return outputs
+
+    def _call(self, cmd: _Call) -> None:
+        fn = None
+        if not cmd.method.startswith("_"):
+            fn = getattr(self.engine, cmd.method, None) or getattr(
+                self.engine.core, cmd.method, None
+            )
+        try:
+            if not callable(fn):
+                raise RuntimeError(f"no engine method {cmd.method!r}")
+            result, error = fn(*cmd.args), None
+        except Exception as exc:
+            result, error = (
+                None,
+                exc
+                if isinstance(exc, RuntimeError)
+                else RuntimeError(f"{type(exc).__name__}: {exc}"),
+            )
+        self._call_loop(_settle, cmd.future, result, error)
 
     def _publish(self, outputs: list[RequestOutput], step_start: float | None, adds: int) -> None:
         stats = self._tracker.iteration(
@@ -398,7 +438,10 @@ class AsyncEngine:
         self._accepting = False
         with self._cond:
             pending = [c for c in self._inbox if isinstance(c, _Add)]
+            calls = [c for c in self._inbox if isinstance(c, _Call)]
             self._inbox = []
+        for call in calls:
+            self._call_loop(_settle, call.future, None, EngineDeadError(error))
         outputs: list[RequestOutput] = []
         try:
             outputs = self.engine.fail_all(error)
@@ -420,3 +463,11 @@ class AsyncEngine:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed since the check
                 loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
