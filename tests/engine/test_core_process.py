@@ -48,6 +48,7 @@ def run(process, scenario, **kwargs):
             return await scenario(client)
         finally:
             await client.shutdown(0)
+            client.close()
 
     return asyncio.run(main())
 
@@ -129,7 +130,9 @@ def test_shutdown_stops_the_process_with_status_0() -> None:
         stream = client.add_request("x", ids, SamplingParams(max_tokens=500, ignore_eos=True))
         await stream.__anext__()
         await client.shutdown(0)
-        return [o async for o in stream]
+        outs = [o async for o in stream]
+        client.close()
+        return outs
 
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"

@@ -158,8 +158,8 @@ class ProcessEngine:
 
     async def shutdown(self, timeout: float) -> None:
         """Stop admitting; drain up to `timeout` s (0: none); abort the rest. The owner of the
-        process then stops it (Shutdown, Bye, exit). When this returns every consumer has its
-        terminal output queued."""
+        process then stops it (Shutdown; Bye comes after the aborts' outputs). When this
+        returns every consumer has its terminal output queued; call `close()` to reap."""
         self._accepting = False
         if timeout > 0:
             await self._wait(self._released, timeout)
@@ -173,7 +173,8 @@ class ProcessEngine:
         for stream in list(self._streams.values()):
             if not stream.terminal_queued:
                 stream.put(terminal_output(stream.request_id, stream.n, "abort"))
-        await asyncio.to_thread(self.close)
+        # The process exits on its own after Bye, while the server finishes its answers;
+        # `close()` (the server's last step) reaps it.
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine process if this client owns it (killed if it does not exit within
@@ -181,7 +182,8 @@ class ProcessEngine:
         self._accepting = False
         proc = self.process.proc
         if self.owns_process and proc is not None:
-            code = stop_process(proc, timeout if self._bye.is_set() else 0.0)
+            ending = self._bye.is_set() or self.dead_error is not None  # exiting on its own
+            code = stop_process(proc, timeout if ending else 0.0)
             self._exited = True
             if code not in (0, None) and self.dead_error is None:
                 logger.info("engine process exited with status %s", code)
