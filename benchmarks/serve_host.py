@@ -9,7 +9,7 @@ its own process (after), alternated `--repeats` times. `kvflow bench serve` stre
 /proc/<pid>/stat, every thread) is read before and after every level, so the table gives CPU
 microseconds per output token per process. The engine process's own loop accounting (its
 `loop_stats`: time stepping, applying commands, sending outputs, idle, and blocked on the socket
-while work waited) is read from its log line at exit.
+idle) is read from its log line at exit.
 
     python benchmarks/serve_host.py [--concurrency 1,8,64,256] [--output-len 64] [--step-ms 0]
 """

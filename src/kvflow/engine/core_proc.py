@@ -59,7 +59,8 @@ class LoopStats:
     send_s: float = 0.0  # encoding and sending outputs
     idle_s: float = 0.0  # blocked on the socket with no unfinished request
     max_send_s: float = 0.0
-    blocked_with_work_s: float = 0.0  # blocked on the socket while work waited: stays 0
+    # No field for "blocked while work waited": the loop polls its socket only when the core
+    # has no unfinished request (`_iterate`), so with work it never waits on the API side.
 
     def line(self) -> str:
         items = asdict(self).items()
