@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from kvflow.server.api_server import run_server
+        from kvflow.server.api_server import run
 
-        return run_server(args)
+        return run(args)
     try:
         if args.command in ("generate", "chat"):
             return _generate(args, chat=args.command == "chat")

@@ -306,3 +306,21 @@ def test_watchdog_marks_a_long_step_unhealthy(caplog):
     assert not during and after
     assert any("--watchdog-timeout" in r.message for r in caplog.records)
     assert not any(t.name.startswith("kvflow-") for t in threading.enumerate())
+
+
+def test_call_utility_runs_an_engine_method_between_steps():
+    from kvflow.engine.engine_core import EngineStats
+
+    async def main():
+        engine, _, _ = make_engine()
+        engine.start()
+        stream = engine.add_request("u", PROMPT, params(50))
+        await stream.__anext__()
+        stats = await engine.call_utility("stats")
+        with pytest.raises(RuntimeError, match="no engine method"):
+            await engine.call_utility("no_such_method")
+        await engine.shutdown(0)
+        return stats
+
+    stats = run(main())
+    assert isinstance(stats, EngineStats) and stats.num_running == 1

@@ -130,10 +130,9 @@ class ServerProcess:
         )
 
     def cpu_seconds(self) -> float:
-        """utime + stime of the whole process (every thread), from /proc/<pid>/stat."""
-        stat = Path(f"/proc/{self.pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """utime + stime of the server and its child processes (an engine core process),
+        every thread, from /proc/<pid>/stat."""
+        return sum(process_cpu_seconds(pid) for pid in [self.pid, *self.children()])
 
     def children(self) -> list[int]:
         """Pids of the process's children (from every thread's /proc children list)."""
@@ -235,3 +234,13 @@ def wait_for(predicate, timeout: float, interval: float = 0.05) -> float:
         if time.monotonic() - start > timeout:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (every thread); 0 once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

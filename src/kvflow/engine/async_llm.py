@@ -18,19 +18,27 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.engine.async_stats import StatLogger, StatsTracker, StepWatchdog
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.engine.output_merge import merge_delta
 from kvflow.engine.stats_history import LiveSnapshot, StatsHistory
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.engine")
+
+
+# "0": a stream hands out every delta as it came (the host benchmark's baseline)
+MERGE_DELTAS = os.environ.get("KVFLOW_MERGE_DELTAS", "1") != "0"
 
 
 class EngineUnavailableError(RuntimeError):
@@ -67,6 +75,13 @@ class _Snapshot:
 _SNAPSHOT_WAIT_S = 5.0  # a step longer than this (a stall) answers from outside the thread
 
 
+@dataclass
+class _Call:
+    method: str
+    args: tuple
+    future: asyncio.Future
+
+
 def terminal_output(req_id: str, n: int, reason: str, error: str | None = None) -> RequestOutput:
     """A finished output with no new tokens, for requests ended outside the engine's step."""
     outs = [CompletionOutput(i, "", [], finish_reason=reason) for i in range(n)]
@@ -76,12 +91,15 @@ def terminal_output(req_id: str, n: int, reason: str, error: str | None = None) 
 
 class RequestStream:
     """The outputs of one request, in order; iteration ends after the terminal output.
-    `abort()` (or leaving the iteration early through `AsyncEngine.generate`) frees its blocks."""
+    `abort()` (or leaving the iteration early through `AsyncEngine.generate`) frees its blocks.
+    Deltas the reader has not taken yet are merged into one (`output_merge`)."""
 
     def __init__(self, request_id: str, n: int, release: Callable[[str, bool], None]) -> None:
         self.request_id = request_id
         self.n = n
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._pending: RequestOutput | None = None
+        self._backlog: deque[RequestOutput] = deque()  # only with KVFLOW_MERGE_DELTAS=0
+        self._ready = asyncio.Event()
         self._release = release
         self.finished = False
         self.terminal_queued = False
@@ -89,7 +107,12 @@ class RequestStream:
     def put(self, output: RequestOutput) -> None:
         if not self.terminal_queued:
             self.terminal_queued = output.finished
-            self._queue.put_nowait(output)
+            pending = self._pending
+            if pending is not None and not MERGE_DELTAS:  # (benchmarks: one delta per read)
+                self._backlog.append(pending)
+                pending = None
+            self._pending = output if pending is None else merge_delta(pending, output)
+            self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -97,7 +120,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        output = await self._queue.get()
+        if self._backlog:
+            output = self._backlog.popleft()
+        else:
+            if self._pending is None:
+                await self._ready.wait()
+            output, self._pending = self._pending, None
+            self._ready.clear()
         if output.finished:
             self.finished = True
             self._release(self.request_id, False)
@@ -122,7 +151,7 @@ class AsyncEngine:
         self.max_num_queued_reqs = max_num_queued_reqs
         self.watchdog_timeout = watchdog_timeout
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort | _Snapshot] = []
+        self._inbox: list[_Add | _Abort | _Snapshot | _Call] = []
         self._stopping = False
         self._pending_adds = 0
         self._latest = engine.stats()
@@ -313,6 +342,16 @@ class AsyncEngine:
         """Requests whose consumer has not yet read their terminal output."""
         return list(self._streams)
 
+    async def call_utility(self, method: str, *args: Any, type: Any = None) -> Any:
+        """Run `method(*args)` of the LLMEngine (else of its EngineCore) on the engine thread
+        between two steps; its result. The process-backed engine has the same call (`type`
+        is for its decoding). Raises RuntimeError naming an unknown method."""
+        if not self._thread_alive():
+            raise EngineDeadError(self.dead_error or "the engine is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._post(_Call(method, args, future))
+        return await future
+
     def _release(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
         if abort and self._thread_alive():
@@ -327,7 +366,7 @@ class AsyncEngine:
         free = 0 if stats.num_waiting else max(seqs - stats.num_running, 0)
         return stats.num_waiting + max(self._pending_adds + adding - free, 0)
 
-    def _post(self, command: _Add | _Abort | _Snapshot) -> None:
+    def _post(self, command: _Add | _Abort | _Snapshot | _Call) -> None:
         with self._cond:
             self._inbox.append(command)
             self._cond.notify()
@@ -379,11 +418,14 @@ class AsyncEngine:
         self._publish(outputs, step_start, num_adds)
         return not stopping
 
-    def _apply(self, commands: list[_Add | _Abort | _Snapshot]) -> list[RequestOutput]:
+    def _apply(self, commands: list[_Add | _Abort | _Snapshot | _Call]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for cmd in commands:
             if isinstance(cmd, _Snapshot):
                 _resolve(cmd.future, self.engine.snapshot)
+                continue
+            if isinstance(cmd, _Call):
+                self._call(cmd)
                 continue
             if isinstance(cmd, _Abort):
                 ids = [i for i in cmd.request_ids if i in self._tracker]
@@ -400,6 +442,25 @@ class AsyncEngine:
             except ValueError as exc:
                 outputs.append(terminal_output(cmd.request_id, cmd.params.n, "error", str(exc)))
         return outputs
+
+    def _call(self, cmd: _Call) -> None:
+        fn = None
+        if not cmd.method.startswith("_"):
+            fn = getattr(self.engine, cmd.method, None) or getattr(
+                self.engine.core, cmd.method, None
+            )
+        try:
+            if not callable(fn):
+                raise RuntimeError(f"no engine method {cmd.method!r}")
+            result, error = fn(*cmd.args), None
+        except Exception as exc:
+            result, error = (
+                None,
+                exc
+                if isinstance(exc, RuntimeError)
+                else RuntimeError(f"{type(exc).__name__}: {exc}"),
+            )
+        self._call_loop(_settle, cmd.future, result, error)
 
     def _publish(self, outputs: list[RequestOutput], step_start: float | None, adds: int) -> None:
         stats = self._tracker.iteration(
@@ -433,7 +494,10 @@ class AsyncEngine:
             for cmd in self._inbox:
                 if isinstance(cmd, _Snapshot):
                     _resolve(cmd.future, self.engine.snapshot)
+            calls = [c for c in self._inbox if isinstance(c, _Call)]
             self._inbox = []
+        for call in calls:
+            self._call_loop(_settle, call.future, None, EngineDeadError(error))
         outputs: list[RequestOutput] = []
         try:
             outputs = self.engine.fail_all(error)
@@ -467,3 +531,11 @@ def _resolve(future: concurrent.futures.Future, fn: Callable) -> None:
         future.set_exception(exc)
         return
     future.set_result(result)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)

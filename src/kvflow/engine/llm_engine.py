@@ -96,10 +96,13 @@ class LLMEngine:
         grammar: Any = None,
         model_shape: ModelShape | None = None,
         kv_events: KVEventSink | None = None,
+        core: EngineCore | None = None,
     ) -> None:
         """`grammar`: the GrammarBackend that compiles output constraints (None: requests
-        with one are refused)."""
+        with one are refused). `core`: the EngineCore to drive (default: one made over `runner`);
+        an API server whose core runs in the engine process passes a `core_client.RemoteCore`."""
         self.config = config
+        self.model_path = None  # the resolved model directory, set by the builder
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = eos_token_id
@@ -107,7 +110,7 @@ class LLMEngine:
         self.generation_eos_ids = generation_eos_ids - {eos_token_id}
         self.dtype_name = dtype_name
         self.device = device
-        self.core = EngineCore(
+        self.core = core or EngineCore(
             config,
             runner,
             log_steps,

@@ -26,10 +26,19 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from kvflow.engine import core_launch
 from kvflow.engine.async_llm import AsyncEngine
+from kvflow.engine.core_client import ProcessEngine, RemoteCore
+from kvflow.engine.core_launch import EngineProcess, EngineStartError, die_with_parent
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.model.loader import resolve_model
 from kvflow.paths import remove_scratch
-from kvflow.server.args import add_serve_arguments, check_serve_args, engine_args_from
+from kvflow.server.args import (
+    add_serve_arguments,
+    args_from_env,
+    check_serve_args,
+    engine_args_from,
+)
 from kvflow.server.engine_view import SnapshotCache
 from kvflow.server.frontend import LoggingStatLogger, StatLoggers, install_frontend
 from kvflow.server.generation_defaults import default_sampling_params, parse_override
@@ -160,22 +169,43 @@ def _server_context(
     )
 
 
-def build_app(
+def _async_engine(
     engine: LLMEngine,
     args: argparse.Namespace,
-    api_key: str | None = None,
-) -> tuple[FastAPI, ShutdownController]:
-    """The app over `engine`; the engine thread starts and stops with the app's lifespan.
-    `api_key` defaults to `args.api_key`."""
-    api_key = api_key if api_key is not None else getattr(args, "api_key", None)
-    names = args.served_model_name or [engine.model_name]
-    metrics = _metrics(engine, args, names[0])
-    async_engine = AsyncEngine(
-        engine,
+    metrics: ServerMetrics,
+    process: EngineProcess | None,
+) -> AsyncEngine | ProcessEngine:
+    """The engine as the routes see it: stepped by a thread of this process, or with
+    `process` by the engine core process (`engine` is then the API side's: tokenizer and
+    detokenizer)."""
+    options = dict(
         stat_logger=_stat_loggers(metrics, args),
         max_num_queued_reqs=args.max_num_queued_reqs,
         watchdog_timeout=args.watchdog_timeout,
     )
+    if process is None:
+        return AsyncEngine(engine, **options)
+    return ProcessEngine(
+        engine,
+        process,
+        identity=api_identity(getattr(args, "api_server_index", 0)),
+        owns_process=process.proc is not None,
+        **options,
+    )
+
+
+def build_app(
+    engine: LLMEngine,
+    args: argparse.Namespace,
+    api_key: str | None = None,
+    process: EngineProcess | None = None,
+) -> tuple[FastAPI, ShutdownController]:
+    """The app over `engine` (see `_async_engine`); the engine starts and stops with the
+    app's lifespan. `api_key` defaults to `args.api_key`."""
+    api_key = api_key if api_key is not None else getattr(args, "api_key", None)
+    names = args.served_model_name or [engine.model_name]
+    metrics = _metrics(engine, args, names[0])
+    async_engine = _async_engine(engine, args, metrics, process)
     controller = ShutdownController(async_engine, args.shutdown_timeout)
     ctx = _server_context(async_engine, engine, args, names, metrics)
 
@@ -255,6 +285,7 @@ def _exit_during_start_up(signum: int, frame: FrameType | None) -> None:
     directory, a kernel build's output) and exits with 128 + signal. It raises nothing: an
     exception raised here can land in Python code that C++ called (torch's imports run such
     code), and escaping through C++ it aborts the process."""
+    core_launch.stop_starting(signum)  # the engine process cleans up and exits first
     remove_scratch()
     kill_ranks()  # tensor-parallel ranks started so far
     logger.info("signal %d during start-up: exiting", signum)
@@ -281,14 +312,50 @@ def _load_engine(args: argparse.Namespace) -> LLMEngine:
     return engine
 
 
-def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
+def api_identity(index: int) -> bytes:
+    return f"api-{index}".encode()
+
+
+def _start_engine(args: argparse.Namespace) -> tuple[LLMEngine, EngineProcess | None]:
+    """The engine core process (started here, or by the --api-server-count supervisor) and
+    this process's side of it; without KVFLOW_ENGINE_PROCESS=1 the whole engine in this process."""
+    if args.engine_address is not None:
+        die_with_parent()
+        ready = core_launch.wait_ready(
+            args.engine_address, api_identity(args.api_server_index), None
+        )
+        process = EngineProcess(args.engine_address, ready)
+        tokenizer = core_launch.load_frontend_tokenizer(ready.model_path, args.chat_template)
+    elif core_launch.engine_process_enabled():
+        engine_args = engine_args_from(args)
+        # A conversion runs here, before the engine process starts (which then finds it done):
+        # this process's start-up signal handler removes a half-written one.
+        path = resolve_model(engine_args.model)
+        process, tokenizer = core_launch.launch_engine(
+            engine_args,
+            args.watchdog_timeout,
+            lambda: core_launch.load_frontend_tokenizer(path, args.chat_template),
+        )
+    else:
+        return _load_engine(args), None
+    engine = core_launch.frontend(process.ready, RemoteCore(), tokenizer)
+    gc.collect()
+    gc.freeze()
+    return engine, process
+
+
+def _build_server(
+    engine: LLMEngine, args: argparse.Namespace, process: EngineProcess | None = None
+) -> _Server:
     _banner(engine, args)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLOW_API_KEY")
-    app, controller = build_app(engine, args, api_key)
+    app, controller = build_app(engine, args, api_key, process)
+    listen = {"host": args.host, "port": args.port}
+    if args.listen_fd is not None:  # the supervisor's socket, shared by every API server
+        listen = {"fd": args.listen_fd}
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        **listen,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=5,
@@ -315,11 +382,13 @@ def run_server(args: argparse.Namespace) -> int:
     _install_start_up_signals()
     try:
         check_serve_args(args)
-        engine = _load_engine(args)
-        server = _build_server(engine, args)
+        engine, process = _start_engine(args)
+        server = _build_server(engine, args, process)
     except ValueError as exc:
         print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except EngineStartError as exc:  # the engine process said why on stderr
+        return exc.code if exc.code > 0 else 1
     controller = server.controller
     code = None
     try:
@@ -355,7 +424,17 @@ def _exit_now(status: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvflow serve")
     add_serve_arguments(parser)
-    return run_server(parser.parse_args(argv))
+    return run(args_from_env() or parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvflow serve`: one API server process over the engine process, or with
+    --api-server-count N > 1 a supervisor of N of them (`api_servers`)."""
+    if args.api_server_count > 1 and args.engine_address is None:
+        from kvflow.server.api_servers import run_supervisor
+
+        return run_supervisor(args)
+    return run_server(args)
 
 
 if __name__ == "__main__":

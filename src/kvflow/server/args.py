@@ -12,6 +12,7 @@ from kvflow.engine.llm_engine import EngineArgs
 from kvflow.kv_events import KVEventsConfig
 from kvflow.structured.config import StructuredOutputsConfig
 
+ARGS_ENV = "KVFLOW_API_SERVER_ARGS"  # an API server's flags as JSON, set by the supervisor
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
@@ -202,6 +203,17 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=_positive_int,
+        default=1,
+        help="API server processes on one port, all over one engine core process",
+    )
+    # Set by the --api-server-count supervisor for each API server process it starts.
+    p.add_argument("--engine-address", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--api-server-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
         "--generation-config",
         default="auto",
         help="request defaults from the model's generation_config.json: 'auto' (the model's; "
@@ -271,6 +283,19 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         return KVEventsConfig.from_json(text)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def args_from_env() -> argparse.Namespace | None:
+    """An API server's flags when the --api-server-count supervisor started it, else None."""
+    text = os.environ.get(ARGS_ENV)
+    return None if text is None else argparse.Namespace(**json.loads(text))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
 
 
 def _non_negative(text: str) -> float:

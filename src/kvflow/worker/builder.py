@@ -26,6 +26,7 @@ from kvflow.model.loader import (
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.backend import GrammarBackend
 from kvflow.structured.config import StructuredOutputsConfig
+from kvflow.worker import null_runner
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_cache_shape
@@ -203,9 +204,9 @@ def build_engine(cls, args, log_steps: bool):
         str(dtype).removeprefix("torch."),
         device,
     )
-    return cls(
+    engine = cls(
         EngineConfig(cache, scheduler),
-        runner,
+        null_runner.from_env(runner, hf_config.vocab_size, eos),
         tokenizer,
         args.served_model_name or (args.model or "SmolLM2-135M-Instruct"),
         eos,
@@ -220,6 +221,8 @@ def build_engine(cls, args, log_steps: bool):
         model_shape=ModelShape.from_hf_config(hf_config, dtype.itemsize),
         kv_events=make_publisher(args.kv_events_config, args.block_size),
     )
+    engine.model_path = path  # the engine process tells its API servers where the tokenizer is
+    return engine
 
 
 def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str, batched: int):

@@ -1,0 +1,169 @@
+"""Starting the engine core process and the API side's LLMEngine over it (synchronous: before
+the server's event loop exists).
+
+    launch_engine(args)     spawn `python -m kvflow.engine.core_proc`, wait for its Ready
+    frontend(ready, ...)    an LLMEngine in this process: tokenizer, validation, detokenizer;
+                            its core is a `RemoteCore` that the client fills in
+
+The wait polls in short slices so that a start-up signal's handler runs at once in this
+process (`stop_starting` forwards it to the engine process, which removes what it had
+half-written, then exits).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvflow.engine import core_wire as wire
+from kvflow.engine.core_proc import LaunchSpec, set_parent_death_signal
+from kvflow.engine.llm_engine import EngineArgs, LLMEngine
+
+# "1": the server's engine core runs in its own process; unset or "0": on a thread of the
+# server's process (the default while output constraints cannot cross the boundary)
+ENV = "KVFLOW_ENGINE_PROCESS"
+
+
+def engine_process_enabled() -> bool:
+    return os.environ.get(ENV, "0").strip() not in ("", "0")
+
+
+class EngineStartError(RuntimeError):
+    """The engine process exited before it was ready; `code` is its exit status."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the engine process exited with status {code} during start-up")
+        self.code = code
+
+
+@dataclass
+class EngineProcess:
+    """A running engine core process (None `proc`: started by another process)."""
+
+    address: str
+    ready: wire.Ready
+    proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.ready.pid
+
+
+_starting: list[subprocess.Popen] = []  # the engine process while it starts (for signals)
+
+
+def new_address() -> str:
+    return f"ipc://{tempfile.gettempdir()}/kvflow-engine-{uuid.uuid4().hex[:12]}"
+
+
+def spawn_engine(args: EngineArgs, watchdog_timeout: float, address: str) -> subprocess.Popen:
+    """Start the engine process (it loads the model, then binds `address`). Call it from the
+    main thread: the child dies with the thread that forked it (PR_SET_PDEATHSIG)."""
+    spec = LaunchSpec(args, os.getpid(), watchdog_timeout)
+    cmd = [sys.executable, "-m", "kvflow.engine.core_proc", address, msgspec.json.encode(spec)]
+    proc = subprocess.Popen([*cmd[:-1], cmd[-1].decode()])
+    _starting.append(proc)
+    return proc
+
+
+def wait_ready(address: str, identity: bytes, proc: subprocess.Popen | None) -> wire.Ready:
+    """Say Hello as `identity` and wait for Ready. Raises EngineStartError if `proc` exits."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    codec = wire.Codec()
+    try:
+        sock.send(codec.encode(wire.Hello()))
+        while True:
+            if sock.poll(100):
+                msg = codec.decode_up(sock.recv())
+                if isinstance(msg, wire.Ready):
+                    return msg
+            if proc is not None and proc.poll() is not None:
+                raise EngineStartError(proc.returncode)
+    finally:
+        sock.close()
+
+
+def launch_engine(
+    args: EngineArgs, watchdog_timeout: float = 0.0, meanwhile: Callable[[], Any] | None = None
+) -> tuple[EngineProcess, Any]:
+    """Start the engine process, run `meanwhile()` here while it loads (the API side's own
+    start-up: its tokenizer), wait for Ready. Returns the process and what `meanwhile` gave.
+    On any error the engine process is killed before it propagates."""
+    address = new_address()
+    proc = spawn_engine(args, watchdog_timeout, address)
+    try:
+        prepared = meanwhile() if meanwhile is not None else None
+        ready = wait_ready(address, b"api-0", proc)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        raise
+    finally:
+        _starting.clear()
+    return EngineProcess(address, ready, proc), prepared
+
+
+def stop_starting(signum: int, timeout: float = 8.0) -> None:
+    """Forward a start-up signal to the engine process and wait (bounded) for it to exit."""
+    for proc in list(_starting):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGKILL after `timeout` s; returns the exit status (reaped: no zombie)."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def load_frontend_tokenizer(path: str | os.PathLike[str], chat_template: str | None) -> Any:
+    from kvflow.model.loader import load_tokenizer
+    from kvflow.worker.builder import load_chat_template
+
+    tokenizer = load_tokenizer(path)
+    load_chat_template(tokenizer, chat_template)
+    return tokenizer
+
+
+def frontend(ready: wire.Ready, core: object, tokenizer: Any) -> LLMEngine:
+    """The API side's LLMEngine: this process's tokenizer and output processor over `core`."""
+    return LLMEngine(
+        ready.config,
+        None,
+        tokenizer,
+        ready.model_name,
+        ready.eos_token_id,
+        dtype_name=ready.dtype_name,
+        device=ready.device,
+        generation_eos_ids=frozenset(ready.generation_eos_ids),
+        core=core,
+    )
+
+
+def die_with_parent() -> None:
+    """For a process the supervisor started: die with it; exit now if it is already gone."""
+    parent = os.getppid()
+    set_parent_death_signal()
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
