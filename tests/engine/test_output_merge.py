@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvflow.engine.async_llm import RequestStream
 from kvflow.engine.output_merge import merge_delta
+from kvflow.engine.request_stream import RequestStream
 from kvflow.outputs import CompletionOutput, RequestOutput
 
 

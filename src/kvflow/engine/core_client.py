@@ -32,16 +32,12 @@ import zmq.asyncio
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.snapshot import EngineSnapshot
 from kvflow.engine import core_wire as wire
-from kvflow.engine.async_llm import (
-    EngineDeadError,
-    EngineUnavailableError,
-    RequestStream,
-    terminal_output,
-)
+from kvflow.engine.async_llm import EngineDeadError, EngineUnavailableError
 from kvflow.engine.async_stats import StatLogger, StatsTracker
 from kvflow.engine.core_launch import EngineProcess, stop_process
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.engine.request_stream import RequestStream, terminal_output
 from kvflow.engine.stats_history import LiveSnapshot, StatsHistory
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams

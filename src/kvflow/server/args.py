@@ -202,6 +202,13 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    _add_process_flags(p)
+    _add_page_flags(p)
+    _add_deployment_flags(p)
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    """How many API server processes serve the port (each over the one engine process)."""
     p.add_argument(
         "--api-server-count",
         "-asc",
@@ -213,6 +220,10 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-address", default=None, help=argparse.SUPPRESS)
     p.add_argument("--api-server-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _add_page_flags(p: argparse.ArgumentParser) -> None:
+    """The page at / and the sampling defaults a first chat meets."""
     p.add_argument(
         "--generation-config",
         default="auto",
@@ -231,7 +242,6 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         help="serve no page at / (the chat playground and live engine view); the API is "
         "unchanged. Not vLLM's --disable-frontend-multiprocessing, which is about processes",
     )
-    _add_deployment_flags(p)
 
 
 def _add_deployment_flags(p: argparse.ArgumentParser) -> None:

@@ -17,12 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvflow.engine.async_llm import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineUnavailableError,
-    RequestStream,
-)
+from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavailableError
+from kvflow.engine.request_stream import RequestStream
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.server.errors import ServingError, engine_error
