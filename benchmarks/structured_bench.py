@@ -24,10 +24,12 @@ from serverproc import start_server  # noqa: E402
 
 from kvflow.bench import serve as bench_serve  # noqa: E402
 
-# An array of records: long enough that the grammar rarely ends before the output length, and
-# every step's mask comes from a different grammar state (numbers, strings, keys, separators).
+# An array of at least 50 records: the grammar cannot end before the output length (so both
+# loads generate the same number of tokens), and the steps' masks come from every kind of grammar
+# state (numbers, strings, keys, separators).
 SCHEMA = {
     "type": "array",
+    "minItems": 50,
     "items": {
         "type": "object",
         "properties": {

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavaila
 from kvflow.engine.request_stream import RequestStream
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from kvflow.server.chat_messages import template_message
 from kvflow.server.errors import ServingError, engine_error
 from kvflow.server.protocol import (
     UNSUPPORTED_FIELDS,
@@ -272,7 +272,10 @@ class BaseServing:
         )
         if req.tools is not None:
             kwargs["tools"] = req.tools
-        messages = [self._message(m) for m in req.messages]
+        try:
+            messages = [template_message(m) for m in req.messages]
+        except ValueError as exc:
+            raise ServingError(str(exc), param="messages") from exc
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, chat_template=template or default_template, **kwargs
@@ -280,28 +283,6 @@ class BaseServing:
         except Exception as exc:  # a template error is the request's fault
             raise ServingError(f"Could not apply the chat template: {exc}") from exc
         return Prompt(text, self.encode(text, req.add_special_tokens, "messages"))
-
-    @staticmethod
-    def _message(m: Any) -> dict[str, Any]:
-        """A request message as templates read it: text content, and an assistant's tool calls
-        with their arguments as objects (vLLM's convention; JSON text that is not an object
-        stays text) and a tool result's call id."""
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ServingError("Only text content parts are supported.", param="messages")
-                parts.append(part["text"])
-            content = "\n".join(parts)
-        message: dict[str, Any] = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            message["name"] = m.name
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        if m.tool_calls:
-            message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
-        return message
 
     # ---- running requests --------------------------------------------------------------------
 
@@ -423,25 +404,6 @@ class BaseServing:
         if entry is not None and entry.decoded_token is not None:
             return entry.decoded_token
         return self.tokenizer.decode([token_id])
-
-
-def _template_call(call: Any) -> dict[str, Any]:
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise ServingError(
-            'Each tool call must be {"id": ..., "type": "function", "function": {"name": ..., '
-            '"arguments": ...}}.',
-            param="messages",
-        )
-    function = dict(call["function"])
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict):
-            function["arguments"] = parsed
-    return {**call, "function": function}
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
