@@ -2,9 +2,11 @@
 routers (vllm-router's kv_aware policy, llm-d's indexer, NVIDIA Dynamo) can index kvflow's
 prefix cache.
 
-Encoding: msgspec msgpack of `KVEventBatch` (array-like structs; events tagged with their class
-name), block hashes as 64-bit unsigned ints (the last 8 bytes of kvflow's block hash, as vLLM
-sends its hashes by default). Transport: a ZeroMQ PUB socket sends `(topic, seq, payload)`
+Encoding: msgspec msgpack of `KVEventBatch` as current consumers decode it (vllm-router
+0.1.17's kv_aware index, tested): the batch an array `[ts, events, data_parallel_rank]`,
+each event a map tagged `"type": "BlockStored"` and so on (older vLLM sent the events as
+arrays too), block hashes as 64-bit unsigned ints (the last 8 bytes of kvflow's block hash,
+as vLLM sends its hashes by default). Transport: a ZeroMQ PUB socket sends `(topic, seq, payload)`
 with `seq` an 8-byte big-endian counter; an optional ROUTER replay socket answers a request
 `(identity, b"", start_seq)` with every buffered `(seq, payload)` from `start_seq` on and then
 `(-1, b"")`. The engine thread only enqueues (never blocks); a full queue drops the batch and
@@ -39,8 +41,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """vLLM's base of the KV-cache events (tagged with the class name)."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """vLLM's base of the KV-cache events: maps tagged `"type": <class name>`."""
 
 
 class BlockStored(KVCacheEvent):
@@ -50,7 +52,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -77,7 +79,9 @@ def to_wire(records: list[core_events.KVEvent], block_size: int) -> list[KVCache
         if isinstance(rec, core_events.BlockStored):
             parent = None if rec.parent_hash is None else external_hash(rec.parent_hash)
             hashes = [external_hash(h) for h in rec.block_hashes]
-            out.append(BlockStored(hashes, parent, rec.token_ids, block_size, None, MEDIUM_GPU))
+            out.append(
+                BlockStored(hashes, parent, rec.token_ids, block_size, None, MEDIUM_GPU, None)
+            )
         elif isinstance(rec, core_events.BlockRemoved):
             out.append(BlockRemoved([external_hash(h) for h in rec.block_hashes], MEDIUM_GPU))
         else:
@@ -163,7 +167,7 @@ class ZmqEventPublisher:
         """Queue one batch; never blocks (a full queue drops it and counts the drop)."""
         if not records:
             return
-        batch = KVEventBatch(time.time(), to_wire(records, self.block_size), self.rank or None)
+        batch = KVEventBatch(time.time(), to_wire(records, self.block_size), self.rank)
         try:
             self._queue.put_nowait(batch)
         except queue.Full:

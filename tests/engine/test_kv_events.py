@@ -139,24 +139,29 @@ def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, byte
 
 
 def _rebuild(payloads: list[bytes]) -> set[int]:
-    """Decoded as plain msgpack, to pin vLLM's array layout: [ts, [event, ...]] with each
-    event [tag, fields...] in vLLM's field order."""
+    """Decoded as plain msgpack, to pin the wire layout vllm-router's kv_aware index reads:
+    the batch `[ts, events, data_parallel_rank]`, each event a map tagged by `type` with vLLM's field names."""
     cached: set[int] = set()
     for payload in payloads:
-        ts, events = msgspec.msgpack.decode(payload)[:2]
+        batch = msgspec.msgpack.decode(payload)
+        ts, events, data_parallel_rank = batch  # an array, as vLLM's publisher sends it
+        assert data_parallel_rank == 0
         assert abs(ts - time.time()) < 600
         for event in events:
-            if event[0] == "BlockStored":
-                hashes, parent, tokens, block_size, lora_id, medium = event[1:7]
-                assert block_size == BLOCK and len(tokens) == BLOCK * len(hashes)
-                assert lora_id is None and medium == "GPU"
+            if event["type"] == "BlockStored":
+                assert set(event) == {"type", "block_hashes", "parent_block_hash", "token_ids",
+                                      "block_size", "lora_id", "medium", "lora_name"}  # fmt: skip
+                hashes, tokens = event["block_hashes"], event["token_ids"]
+                assert event["block_size"] == BLOCK and len(tokens) == BLOCK * len(hashes)
+                assert event["lora_id"] is None and event["medium"] == "GPU"
+                parent = event["parent_block_hash"]
                 assert parent is None or isinstance(parent, int)
                 cached.update(hashes)
-            elif event[0] == "BlockRemoved":
-                hashes, medium = event[1:3]
-                cached.difference_update(hashes)
+            elif event["type"] == "BlockRemoved":
+                assert event["medium"] == "GPU"
+                cached.difference_update(event["block_hashes"])
             else:
-                assert event == ["AllBlocksCleared"]
+                assert event == {"type": "AllBlocksCleared"}
                 cached.clear()
     return cached
 

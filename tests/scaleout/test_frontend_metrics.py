@@ -191,13 +191,13 @@ def test_kv_events_describe_the_prompt_blocks(tls):
             if int.from_bytes(seq, "big", signed=True) == -1:
                 break
             for event in msgspec.msgpack.decode(payload)[1]:
-                if event[0] == "BlockStored":
+                if event["type"] == "BlockStored":
                     stored.append(event)
         dealer.close()
-        tokens = [t for event in stored for t in event[3]]
+        tokens = [t for event in stored for t in event["token_ids"]]
         full = len(ids) // 16 * 16
         assert full >= 16 and ids[:full] in [tokens[i : i + full] for i in range(len(tokens))]
-        assert all(event[4] == 16 and event[6] == "GPU" for event in stored)
+        assert all(event["block_size"] == 16 and event["medium"] == "GPU" for event in stored)
     finally:
         ctx.term()
 

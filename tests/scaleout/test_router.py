@@ -8,7 +8,9 @@ certain), shared by the tests in order."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,16 +33,24 @@ ARGS = ["--dtype", "float32", "--num-blocks", "256", "--block-size", "16",
 pytestmark = pytest.mark.skipif(not os.path.exists(ROUTER), reason="vllm-router not installed")
 
 
-def start_replica(port: int | None = None) -> ServerProcess:
+def start_replica(port: int | None = None, events_port: int | None = None) -> ServerProcess:
     args = ARGS if port is None else [*ARGS, "--port", str(port)]
+    if events_port is not None:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{events_port}"}  # fmt: skip
+        args = [*args, "--kv-events-config", json.dumps(config)]
     proc, chosen, log = launch(args, dict(os.environ), "kvflow-replica-")
     if port is not None:  # launch's own --port comes first; the later one wins
         chosen = port
-    return ServerProcess(proc, chosen, log)
+    replica = ServerProcess(proc, chosen, log)
+    replica.events_port = events_port
+    return replica
 
 
 class Router:
-    def __init__(self, workers: list[str], policy: str) -> None:
+    def __init__(
+        self, workers: list[str], policy: str, extra: tuple[str, ...] = (), log_level="warning"
+    ) -> None:
         self.port = free_port()
         fd, name = tempfile.mkstemp(prefix="vllm-router-", suffix=".log")
         os.close(fd)
@@ -53,7 +63,7 @@ class Router:
             "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
             "--retry-max-retries", "3", "--retry-initial-backoff-ms", "50",
             "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "2",
-            "--log-level", "warning",
+            "--log-level", log_level, *extra,
         ]  # fmt: skip
         with open(name, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -91,7 +101,7 @@ def served(replica: ServerProcess) -> float:
 
 @pytest.fixture(scope="module")
 def cluster():
-    replicas = [start_replica(), start_replica()]
+    replicas = [start_replica(events_port=free_port()), start_replica(events_port=free_port())]
     router = None
     try:
         for replica in replicas:
@@ -133,6 +143,35 @@ def test_completions_and_chat_streaming_and_not_through_the_router(cluster):
     after = [served(r) for r in replicas]
     gained = [a - b for a, b in zip(after, before, strict=True)]
     assert sum(gained) == 8 and all(g >= 2 for g in gained), gained  # round robin: both
+
+
+def test_kv_aware_routing_indexes_the_replicas_kv_events(cluster):
+    """vllm-router's kv_aware policy subscribes to each replica's KV-cache events and credits
+    a request with the prefix tokens a replica already holds: kvflow's events decode and
+    index there."""
+    _, replicas = cluster
+    sources = []
+    for r in replicas:
+        sources += ["--kv-event-source", f"{r.url}=tcp://127.0.0.1:{r.events_port}"]
+    router = Router([r.url for r in replicas], "kv_aware",
+                    (*sources, "--kv-event-block-size", "16", "--kv-event-model", MODEL),
+                    log_level="debug")  # fmt: skip
+    try:
+        router.wait_ready()
+        client = router.client()
+        prompt = "A shared preamble about the rivers and bridges of Paris, " * 6
+        credited = re.compile(r"credited_prefix_tokens=(\d+)")
+
+        def credited_prefix() -> bool:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+            log = re.sub(r"\x1b\[[0-9;]*m", "", router.log_path.read_text())
+            return max((int(n) for n in credited.findall(log)), default=0) >= 48
+
+        wait_for(credited_prefix, timeout=60, interval=0.5)
+        log = router.log_path.read_text()
+        assert "decode batch" not in log, log[-2000:]  # no event it could not read
+    finally:
+        router.stop()
 
 
 STREAM_TOKENS = 96
@@ -180,7 +219,7 @@ def test_failover_kill_a_replica_under_load_then_restart_it(cluster):
     assert cut and all(0 < r[1] < STREAM_TOKENS for r in cut), results
     assert whole and all(r[2] == "length" for r in whole), results  # ran to max_tokens
     # the replica comes back on its port and the router sends it work again
-    reborn = start_replica(victim.port)
+    reborn = start_replica(victim.port, victim.events_port)
     replicas[1] = reborn
     reborn.wait_healthy()
 
