@@ -21,9 +21,10 @@ from transformers import (
 )
 
 from kvflow.attention.cpu import cpu_paged_attention
-from kvflow.model import allocate_kv_caches, load_model
+from kvflow.model import load_model
 from kvflow.model.parallel_layers import head_partition, split_evenly
 from kvflow.worker.executor import free_port
+from kvflow.worker.kv_cache import allocate_kv_caches
 from support.tp_ranks import BLOCK_SIZE, NUM_BLOCKS, rank_main, run_steps
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
-from structured_schemas import MAX_TOKENS, MODELS
 
 from support.serverproc import ServerProcess, scrape, start_server
+from support.structured_schemas import MAX_TOKENS, MODELS
 
 MODEL = "SmolLM2-135M-Instruct"
 SEEDS = range(5)
