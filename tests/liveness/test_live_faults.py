@@ -125,8 +125,8 @@ def test_nan_logits_fail_that_request_alone(faulty: ServerProcess) -> None:
     normal = {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True, **PATIENT}
     poisoned = {"prompt": [*token_prompt(8), NAN_MARK], "max_tokens": 16, **PATIENT}
     with ThreadPoolExecutor(4) as pool:
-        plain = [pool.submit(faulty.post, normal) for _ in range(2)]
-        bad = pool.submit(faulty.post, poisoned)
+        plain = [pool.submit(faulty.post, "/v1/completions", normal) for _ in range(2)]
+        bad = pool.submit(faulty.post, "/v1/completions", poisoned)
         bad_stream = pool.submit(sse_lines, faulty, poisoned)
         health = [faulty.health() for _ in range(5)]
         results = [f.result() for f in plain]
@@ -148,9 +148,9 @@ def test_full_queue_is_503_with_retry_after_at_once_and_none_is_lost(faulty: Ser
     success = "vllm:request_success_total"
     before = faulty.metrics().value(success)
     with ThreadPoolExecutor(4) as pool:
-        admitted = [pool.submit(faulty.post, long) for _ in range(2)]
+        admitted = [pool.submit(faulty.post, "/v1/completions", long) for _ in range(2)]
         wait_for(lambda: faulty.gauge("vllm:num_requests_running") == 2, timeout=30)
-        admitted += [pool.submit(faulty.post, short) for _ in range(2)]
+        admitted += [pool.submit(faulty.post, "/v1/completions", short) for _ in range(2)]
         wait_for(lambda: faulty.gauge("vllm:num_requests_waiting") == 2, timeout=30)
         t0 = time.monotonic()
         refused = faulty.post("/v1/completions", short)
