@@ -51,14 +51,15 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, path: Path = SOURCE) -> Path:
+    """The shared library of the C file `path` (built now unless cached) -> its path."""
     from kvflow.model.loader import cache_root, scratch  # the model package imports this module
 
-    source = SOURCE.read_bytes()
+    source = path.read_bytes()
     key = hashlib.sha256(
         b"\0".join([source, " ".join([compiler, *FLAGS]).encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    target = cache_root() / "kernels" / f"{path.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     with scratch(Path(tmp)):
         subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True
+            [compiler, *FLAGS, "-o", tmp, str(path)], check=True, capture_output=True, text=True
         )
         os.replace(tmp, target)
     return target

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention import AttentionBackend, AttentionMetadata, paged_attention
-from kvflow.model import cpu_kernels
+from kvflow.model import cpu_kernels, quant_kernels
 
 WeightLoader = Callable[..., None]
 
@@ -107,10 +107,14 @@ def logits_linear(
     weight: torch.Tensor,
     packed: torch.Tensor | None,
     native: torch.Tensor | None,
+    quant: quant_kernels.Quantized | None = None,
 ) -> torch.Tensor:
     """float32 logits of hidden rows x [N, hidden] by the head's weight [vocab, hidden]:
     `linear` in the model's dtype, then float32. A decode row on CUDA stores its logits in
-    float32 straight from the one-row kernel where that wins, saving the conversion's kernel."""
+    float32 straight from the one-row kernel where that wins, saving the conversion's kernel.
+    `quant`: the head's quantized weight (`model.quantize`), which `weight` then only shapes."""
+    if quant is not None:
+        return quant_kernels.apply(x, quant, None).float()
     ops = _one_row_ops(x)
     if ops is not None:
 
@@ -171,8 +175,10 @@ def prepack_for_cpu(model: nn.Module) -> int:
     serve `compute_logits`; a head tied to the embedding keeps its weight for the lookups."""
     head = model.logits_weight() if hasattr(model, "logits_weight") else None
     count = 0
+    if getattr(model, "head_quant", None) is not None:
+        head = None  # the quantized head needs no packing
     for module in model.modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or module.quant is not None:
             continue
         module.packed = pack_weight(module.weight)
         module.native = cpu_kernels.pack_linear_weight(module.weight)
@@ -204,8 +210,11 @@ class Linear(nn.Linear):
         _attach_loaders(self, default_weight_loader)
         self.packed: torch.Tensor | None = None  # set by prepack_for_cpu
         self.native: torch.Tensor | None = None  # set by prepack_for_cpu
+        self.quant: quant_kernels.Quantized | None = None  # set by model.quantize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_kernels.apply(x, self.quant, self.bias)
         return linear(x, self.weight, self.bias, self.packed, self.native)
 
     def reset_parameters(self) -> None:
@@ -243,6 +252,12 @@ class Embedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         _attach_loaders(self, default_weight_loader)
+        self.quant: quant_kernels.Quantized | None = None  # set by model.quantize
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_kernels.embedding(ids, self.quant, self.weight.dtype)
+        return super().forward(ids)
 
     def reset_parameters(self) -> None:
         """Left uninitialised on purpose: the loader overwrites every parameter."""
@@ -294,7 +309,7 @@ def norm_linear(
     separate kernels (timed once per shape; only without PDL, see `norm_fusion_pays`)."""
     ops = _one_row_ops(x)
     contiguous = residual is None or residual.is_contiguous()
-    if ops is not None and contiguous and ops.norm_fusion_pays():
+    if ops is not None and contiguous and proj.quant is None and ops.norm_fusion_pays():
         weight, bias = proj.weight, proj.bias
 
         def fused() -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +333,7 @@ def _projection(x: torch.Tensor, proj: Linear, silu: bool) -> torch.Tensor:
     if not silu:
         return proj(x)
     ops = _one_row_ops(x)
-    if ops is not None:
+    if ops is not None and proj.quant is None:
         weight, bias = proj.weight, proj.bias
 
         def gated() -> torch.Tensor:

@@ -21,6 +21,7 @@ from kvflow.model.loader import (
     resolve_dtype,
     resolve_model,
 )
+from kvflow.model.quantize import describe, quantize_model, resolve_quantization
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
@@ -178,6 +179,14 @@ def load_chat_template(tokenizer, chat_template: str | None) -> None:
     tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
 
 
+def load_quantized(path: Path, dtype: torch.dtype, device: str, backend, quantization: str):
+    """`load_model` with `quantization`'s weights put in; logs the choice and the bytes."""
+    model, hf_config = load_model(path, dtype, device, attn_backend=backend)
+    new, old = quantize_model(model, quantization, path)
+    logger.info("%s", describe(quantization, new, old, dtype))
+    return model, hf_config
+
+
 def build_engine(cls, args, log_steps: bool):
     """Returns `cls(...)` (an LLMEngine). Raises ValueError naming the numbers and the fix when
     the KV pool cannot serve one request or an explicit --max-model-len exceeds it."""
@@ -192,11 +201,12 @@ def build_engine(cls, args, log_steps: bool):
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    quantization = resolve_quantization(args.quantization, path, device)
     batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
     backend = attention_backend(device)
     model = step_bytes = None
     if needs_profile(args, device):  # the KV pool gets what the weights and one step leave
-        model, hf_config = load_model(path, dtype, device, attn_backend=backend)
+        model, hf_config = load_quantized(path, dtype, device, backend, quantization)
         step_bytes = profile_step(
             model, hf_config, batched, args.max_num_seqs, args.block_size, dtype
         )
@@ -209,7 +219,7 @@ def build_engine(cls, args, log_steps: bool):
         max_model_len = faults.max_model_len(max_model_len)
     scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
     if model is None:
-        model, hf_config = load_model(path, dtype, device, attn_backend=backend)
+        model, hf_config = load_quantized(path, dtype, device, backend, quantization)
     if device == "cpu":
         prepack_for_cpu(model)
         native = cpu_kernels.native_available()  # builds them now, not on the first request
