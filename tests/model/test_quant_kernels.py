@@ -15,6 +15,8 @@ K and the one rounding of the output to bf16:
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -51,9 +53,11 @@ def reference(x: torch.Tensor, w64: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, y64) -> None:
+    """The module's bound; float32 results skip the bf16 term (no rounding to bf16)."""
     k = w64.shape[1]
     magnitude = x.double().abs() @ w64.abs().T
-    bound = 2.0**-8 * y64.abs() + (k + 2) * 2.0**-24 * magnitude + 1e-30
+    rounding = 2.0**-8 if y.dtype == torch.bfloat16 else 0.0
+    bound = rounding * y64.abs() + (k + 2) * 2.0**-24 * magnitude + 1e-30
     excess = ((y.double() - y64).abs() / bound).max().item()
     assert excess <= 1.0, f"error {excess:.2f}x the bound"
 
@@ -80,24 +84,26 @@ def test_kernel_matches_float64_matmul(kind: str) -> None:
             weight = from_gguf_blocks(gguf_tensor(kind, rows, cols, seed=rows), kind, cols)
             w64 = weight.dequantize(torch.float64)
             bias = torch.randn(rows).bfloat16()
-            for m in (1, 2, 3, 8, 9, 16):
-                x = torch.randn(m, cols).bfloat16()
-                y = quant_kernels.quant_linear(x, weight, bias if m % 2 else None)
-                assert y.dtype == torch.bfloat16 and y.shape == (m, rows)
-                assert_within_bound(y, x, w64, reference(x, w64, bias if m % 2 else None))
+            for m, dtype in itertools.product((1, 2, 3, 8, 9, 16), (torch.bfloat16, torch.float32)):
+                x = torch.randn(m, cols).to(dtype)
+                b = bias.to(dtype) if m % 2 else None
+                y = quant_kernels.quant_linear(x, weight, b)
+                assert y.dtype == dtype and y.shape == (m, rows)
+                assert_within_bound(y, x, w64, reference(x, w64, b))
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
-def test_large_batches_dequantize_to_bf16(kind: str) -> None:
-    """More rows than the kernel takes: the weight goes to bf16 (one rounding of each value,
-    2^-9 relative), then torch's matmul."""
+def test_large_batches_dequantize(kind: str) -> None:
+    """More rows than the kernel takes: the weight goes to the activations' dtype (bf16: one
+    rounding of each value, 2^-9 relative; float32: exact), then torch's matmul."""
     weight = from_gguf_blocks(gguf_tensor(kind, 40, 256), kind, 256)
-    x = torch.randn(quant_kernels.MAX_KERNEL_ROWS + 3, 256).bfloat16()
     w64 = weight.dequantize(torch.float64)
+    x = torch.randn(quant_kernels.MAX_KERNEL_ROWS + 3, 256).bfloat16()
     y = quant_kernels.quant_linear(x, weight, None).double()
     y64 = reference(x, w64, None)
     magnitude = x.double().abs() @ w64.abs().T
     assert ((y - y64).abs() <= 2.0**-8 * y64.abs() + 2.0**-8 * magnitude).all()
+    assert torch.equal(quant_kernels.dequantize(weight, torch.float32), w64.float())
 
 
 def test_fused_shards_of_different_types_keep_every_value() -> None:

@@ -1,6 +1,7 @@
 /* kvflow's linear layers on quantized weights, read as they are stored:
  *
  *   kvflow_q_linear   y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 x and y, w quantized
+ *                     (kvflow_q_linear_f32: float32 x and y)
  *   kvflow_q_dequant  w[N, K] -> bf16 (prefill: a large batch runs the bf16 matmul on it)
  *
  * The weight layout (made once by kvflow/model/quant_format.py from GGUF blocks or a float
@@ -143,13 +144,11 @@ static void tile(const uint8_t *row, long row_bytes, int bits, const float *sc, 
     }
 }
 
-/* y[M, N] (bf16, row stride N) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL). */
-void kvflow_q_linear(const uint16_t *x, const uint8_t *codes, const float *scales,
-                     const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
-                     int M, int N, int K) {
-    float *xf = (float *)aligned_alloc(64, ((size_t)M * K * sizeof(float) + 63) / 64 * 64);
-    if (xf == NULL) return;
-    for (long i = 0; i < (long)M * K; i++) xf[i] = bf16_to_float(x[i]);
+/* y[M, N] (row stride N) = xf[M, K] (float32) @ w^T + bias: y and bias bf16 (f32 == 0) or
+ * float32 (f32 == 1; bias may be NULL either way). */
+static void q_linear(const float *xf, const uint8_t *codes, const float *scales, const float *mins,
+                     int bits, int group, const void *bias, void *y, int f32, int M, int N,
+                     int K) {
     long row_bytes = bits == 4 ? K / 2 : K;
     int groups = K / group;
     int nr = M == 1 ? 4 : M == 2 ? 2 : 1; /* weight rows a tile */
@@ -157,44 +156,72 @@ void kvflow_q_linear(const uint16_t *x, const uint8_t *codes, const float *scale
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < tiles; t++) {
         int n0 = t * nr, rows = N - n0 < nr ? N - n0 : nr;
+        int r_n = rows == nr ? nr : 1; /* a last partial tile: its rows one by one */
         float out[4 * MAX_ROWS];
         for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
             int mb = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-            for (int r0 = 0; r0 < rows; r0 += rows == nr ? nr : 1) { /* a last partial tile: rows one by one */
-                int r_n = rows == nr ? nr : 1;
+            for (int r0 = 0; r0 < rows; r0 += r_n) {
                 long n = n0 + r0;
                 tile(codes + n * row_bytes, row_bytes, bits, scales + n * groups, mins + n * groups,
                      groups, group, xf + (long)m0 * K, K, K, r_n, mb, out);
-                for (int r = 0; r < r_n; r++)
+                for (int r = 0; r < r_n; r++) {
+                    float b = bias == NULL ? 0.0f
+                              : f32        ? ((const float *)bias)[n + r]
+                                           : bf16_to_float(((const uint16_t *)bias)[n + r]);
                     for (int m = 0; m < mb; m++) {
-                        float b = bias ? bf16_to_float(bias[n + r]) : 0.0f;
-                        y[(long)(m0 + m) * N + n + r] = float_to_bf16(out[r * mb + m] + b);
+                        long at = (long)(m0 + m) * N + n + r;
+                        if (f32) ((float *)y)[at] = out[r * mb + m] + b;
+                        else ((uint16_t *)y)[at] = float_to_bf16(out[r * mb + m] + b);
                     }
+                }
             }
         }
     }
+}
+
+/* y[M, N] (bf16, row stride N) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL). */
+void kvflow_q_linear(const uint16_t *x, const uint8_t *codes, const float *scales,
+                     const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
+                     int M, int N, int K) {
+    float *xf = (float *)aligned_alloc(64, ((size_t)M * K * sizeof(float) + 63) / 64 * 64);
+    if (xf == NULL) return;
+    for (long i = 0; i < (long)M * K; i++) xf[i] = bf16_to_float(x[i]);
+    q_linear(xf, codes, scales, mins, bits, group, bias, y, 0, M, N, K);
     free(xf);
 }
 
-/* w[N, K] as bf16 (rounded to nearest even; exact for codes and scales that fit bf16). */
+/* The same in float32: x, bias (or NULL) and y float32. */
+void kvflow_q_linear_f32(const float *x, const uint8_t *codes, const float *scales,
+                         const float *mins, int bits, int group, const float *bias, float *y,
+                         int M, int N, int K) {
+    q_linear(x, codes, scales, mins, bits, group, bias, y, 1, M, N, K);
+}
+
+/* w[N, K] as bf16 (f32 == 0: rounded to nearest even; exact for codes and scales that fit
+ * bf16) or float32 (f32 == 1). */
 void kvflow_q_dequant(const uint8_t *codes, const float *scales, const float *mins, int bits,
-                      int group, uint16_t *w, int N, int K) {
+                      int group, void *w, int f32, int N, int K) {
     long row_bytes = bits == 4 ? K / 2 : K;
     int groups = K / group;
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + n * row_bytes;
         const float *sc = scales + (long)n * groups, *mn = mins + (long)n * groups;
-        uint16_t *out = w + (long)n * K;
         for (int c = 0; c < K; c += 32) {
             v16f lo, hi;
             codes32(row, bits, c, &lo, &hi);
             int g0 = c / group, g1 = (c + 16) / group;
             v16f w0 = lo * sc[g0] + mn[g0];
             v16f w1 = hi * sc[g1] + mn[g1];
+            long at = (long)n * K + c;
+            if (f32) {
+                memcpy((float *)w + at, &w0, sizeof w0);
+                memcpy((float *)w + at + 16, &w1, sizeof w1);
+                continue;
+            }
             for (int i = 0; i < 16; i++) {
-                out[c + i] = float_to_bf16(w0[i]);
-                out[c + 16 + i] = float_to_bf16(w1[i]);
+                ((uint16_t *)w)[at + i] = float_to_bf16(w0[i]);
+                ((uint16_t *)w)[at + 16 + i] = float_to_bf16(w1[i]);
             }
         }
     }

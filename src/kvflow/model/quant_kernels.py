@@ -44,10 +44,11 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("quantized CPU kernel unavailable (%s): dequantizing per call", detail)
         return None
     ptr, num = ctypes.c_void_p, ctypes.c_int
-    lib.kvflow_q_linear.restype = None
-    lib.kvflow_q_linear.argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
+    for name in ("kvflow_q_linear", "kvflow_q_linear_f32"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
     lib.kvflow_q_dequant.restype = None
-    lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 2 + [ptr] + [num] * 2
+    lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 2 + [ptr] + [num] * 3
     return lib
 
 
@@ -59,14 +60,15 @@ def native_available() -> bool:
 def kernel_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [M, K] bf16 @ weight.T (+ bias bf16) -> [M, N] bf16 by the native kernel, reading the
-    codes in place (float32 accumulation, rounded once to bf16)."""
+    """x [M, K] @ weight.T (+ bias) -> [M, N] by the native kernel, reading the codes in place;
+    x, bias and the result all bf16 (float32 sums rounded once) or all float32."""
     lib = _library()
     assert lib is not None, "check native_available() first"
     x = x.contiguous()
     rows = x.shape[0]
-    out = torch.empty(rows, weight.out_features, dtype=torch.bfloat16)
-    lib.kvflow_q_linear(
+    out = torch.empty(rows, weight.out_features, dtype=x.dtype)
+    kernel = lib.kvflow_q_linear_f32 if x.dtype == torch.float32 else lib.kvflow_q_linear
+    kernel(
         x.data_ptr(),
         weight.codes.data_ptr(),
         weight.scales.data_ptr(),
@@ -82,12 +84,12 @@ def kernel_linear(
     return out
 
 
-def dequantize_bf16(weight: QuantizedWeight) -> torch.Tensor:
-    """The weight [N, K] in bf16 (the native kernel where loaded, else torch)."""
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (the native kernel for bf16 and float32 where loaded)."""
     lib = _library()
-    if lib is None:
-        return weight.dequantize(torch.bfloat16)
-    out = torch.empty(weight.out_features, weight.in_features, dtype=torch.bfloat16)
+    if lib is None or dtype not in (torch.bfloat16, torch.float32):
+        return weight.dequantize(dtype)
+    out = torch.empty(weight.out_features, weight.in_features, dtype=dtype)
     lib.kvflow_q_dequant(
         weight.codes.data_ptr(),
         weight.scales.data_ptr(),
@@ -95,6 +97,7 @@ def dequantize_bf16(weight: QuantizedWeight) -> torch.Tensor:
         weight.bits,
         weight.group,
         out.data_ptr(),
+        int(dtype == torch.float32),
         weight.out_features,
         weight.in_features,
     )
@@ -104,12 +107,11 @@ def dequantize_bf16(weight: QuantizedWeight) -> torch.Tensor:
 def quant_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype (bf16 on the kernel's path)."""
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype (the kernel's for bf16 and float32)."""
     small = x.shape[0] <= MAX_KERNEL_ROWS
-    if small and x.dtype == torch.bfloat16 and native_available():
-        return kernel_linear(x, weight, None if bias is None else bias.to(torch.bfloat16))
-    w = dequantize_bf16(weight) if x.dtype == torch.bfloat16 else weight.dequantize(x.dtype)
-    return F.linear(x, w, bias)
+    if small and x.dtype in (torch.bfloat16, torch.float32) and native_available():
+        return kernel_linear(x, weight, None if bias is None else bias.to(x.dtype))
+    return F.linear(x, dequantize(weight, x.dtype), bias)
 
 
 Quantized = QuantizedWeight | Fp8Weight  # what a layer's `quant` holds
