@@ -2,12 +2,15 @@
 engine (the server's engine): greedy text and the perplexity of a fixed text.
 
 - The embedded SmolLM2 GGUF (Q4_1 projections, Q8_0 embedding and tied head) kept quantized
-  (`--quantization gguf`, bf16 activations) against the same file dequantized to float32.
+  (`--quantization gguf`) against the same file dequantized to float32.
 - A random-weight Llama checkpoint in float32 with `--quantization int8` against itself.
 
-Both: greedy output agrees on at least 90 % of the first 32 tokens over 10 prompts, and the
-perplexity of ~2,000 tokens of English (the docstrings of standard-library modules: the same
-text for both models of a run) is within 2 %.
+Both: greedy output agrees on at least 90 % of the first 32 tokens over 10 prompts (position by
+position), and the perplexity of 2,000 tokens of English (the docstrings of standard-library
+modules: the same text for both models of a run) is within 2 %. The quantized models run with
+float32 activations, so that what is compared is the weights: bf16 activations alone move
+greedy text of this model off its float32 text within a few tokens (README, "Quantized
+weights"), quantized or not; the bf16 default is checked for perplexity.
 """
 
 from __future__ import annotations
@@ -66,19 +69,32 @@ def assert_agree(ours: tuple, reference: tuple) -> None:
     )
     total = sum(len(r) for r in ref_ids)
     assert total == 32 * len(PROMPTS)
+    print(f"greedy agreement {same}/{total}; perplexity {ppl:.4f} against {ref_ppl:.4f}")
     assert same >= 0.9 * total, f"greedy agreement {same}/{total}"
     assert abs(ppl / ref_ppl - 1) <= 0.02, f"perplexity {ppl:.3f} against {ref_ppl:.3f}"
 
 
-def test_embedded_gguf_served_quantized() -> None:
-    quantized = run(None)  # the default for a GGUF on the CPU: its blocks as stored
-    reference = run(None, quantization="none", dtype="float32")
-    assert_agree(quantized, reference)
+@pytest.fixture(scope="module")
+def embedded_f32() -> tuple[list[list[int]], float]:
+    return run(None, quantization="none", dtype="float32")
+
+
+def test_embedded_gguf_served_quantized(embedded_f32) -> None:
+    assert_agree(run(None, quantization="gguf", dtype="float32"), embedded_f32)
+
+
+def test_embedded_gguf_default_bf16_perplexity(embedded_f32) -> None:
+    """The default (the GGUF's blocks, bf16 activations): perplexity within 2 % too."""
+    _, ppl = run(None)
+    print(f"bf16 default: perplexity {ppl:.4f} against {embedded_f32[1]:.4f}")
+    assert abs(ppl / embedded_f32[1] - 1) <= 0.02, f"{ppl:.3f} against {embedded_f32[1]:.3f}"
 
 
 @pytest.fixture(scope="module")
 def random_llama(tmp_path_factory) -> Path:
-    """A float32 Llama with random weights (SmolLM2's tokenizer and vocabulary)."""
+    """A float32 Llama with random weights (SmolLM2's tokenizer and vocabulary): order-one
+    activations, small embeddings (as benchmarks/gpu_check.py makes them: tied embeddings of
+    order one make greedy text repeat its input)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("random-llama")
@@ -91,11 +107,18 @@ def random_llama(tmp_path_factory) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
-        initializer_range=0.1,  # logits far enough apart for greedy choices to mean something
         dtype="float32",
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape)
+            if param.ndim == 1:
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(0.1 * noise if "embed" in name else noise / param.shape[1] ** 0.5)
+    model.save_pretrained(out)
     source = resolve_model(None)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / name, out / name)
@@ -103,6 +126,6 @@ def random_llama(tmp_path_factory) -> Path:
 
 
 def test_int8_checkpoint(random_llama: Path) -> None:
-    quantized = run(str(random_llama), quantization="int8", dtype="bfloat16")
+    quantized = run(str(random_llama), quantization="int8", dtype="float32")
     reference = run(str(random_llama), quantization="none", dtype="float32")
     assert_agree(quantized, reference)
