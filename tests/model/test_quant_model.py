@@ -8,8 +8,9 @@ engine (the server's engine): greedy text and the perplexity of a fixed text.
 Both: greedy output agrees on at least 90 % of the first 32 tokens over 10 prompts (each token
 given the reference's prefix: `assert_agree`), and the perplexity of 2,000 tokens of English
 (the docstrings of standard-library modules: the same text for both models of a run) is within
-2 %. The embedded model is checked with float32 activations (the quantized weights alone) and
-with the default bf16 ones; the int8 checkpoint with float32 activations.
+2 %. The embedded model runs as served by default (bf16 activations); the int8 checkpoint with
+float32 activations. (The embedded model quantized with float32 activations matches its
+float32 dequantized model at 320 of 320 tokens, same perplexity: benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -110,11 +111,7 @@ def embedded_f32() -> Run:
 
 
 def test_embedded_gguf_served_quantized(embedded_f32: Run) -> None:
-    assert_agree(run(None, embedded_f32, quantization="gguf", dtype="float32"), embedded_f32)
-
-
-def test_embedded_gguf_default_bf16(embedded_f32: Run) -> None:
-    """The default (the GGUF's blocks, bf16 activations): the same checks."""
+    """The default for the GGUF: its blocks as stored, bf16 activations."""
     assert_agree(run(None, embedded_f32), embedded_f32)
 
 
