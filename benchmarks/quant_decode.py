@@ -97,7 +97,8 @@ def decode_steps(llm: LLM, steps: int) -> tuple[list[float], list[float]]:
     """(step seconds, native seconds) of `steps` decode steps of one request."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    engine.add_request("bench", "The history of the city begins", params)
+    prompt = engine.tokenizer("The history of the city begins")["input_ids"]
+    engine.add_request("bench", prompt, params)
     engine.step()  # the prompt
     engine.step()
     times, native = [], []

@@ -20,8 +20,10 @@ def smollm2():
     return resolve_model(None)
 
 
-def test_default_is_gguf_for_a_gguf_on_the_cpu(smollm2, tmp_path) -> None:
+def test_default_is_gguf_for_a_gguf_on_the_cpu_in_bf16(smollm2, tmp_path) -> None:
     assert resolve_quantization(None, smollm2, "cpu") == "gguf"
+    assert resolve_quantization(None, smollm2, "cpu", torch.float32) == "none"  # the reference
+    assert resolve_quantization("gguf", smollm2, "cpu", torch.float32) == "gguf"
     assert resolve_quantization(None, smollm2, "cuda") == "none"
     (tmp_path / "config.json").write_text("{}")
     assert resolve_quantization(None, tmp_path, "cpu") == "none"  # a checkpoint directory

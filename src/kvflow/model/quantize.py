@@ -6,7 +6,8 @@
 - `fp8` (CUDA): float8_e4m3fn codes with a float32 scale per output channel, made now.
 - `none`: the model's dtype throughout (a GGUF dequantized to it).
 
-The default (None) for a GGUF model on the CPU is `gguf`: see README, "Quantized weights".
+The default (None) for a GGUF model on the CPU in bf16 is `gguf`: see README, "Quantized
+weights".
 Each quantized layer lets its float weight go (a placeholder keeps the shape), so the
 resident weights are the quantized bytes plus the norms.
 """
@@ -29,13 +30,17 @@ logger = logging.getLogger(__name__)
 METHODS = ("gguf", "int8", "fp8", "none")
 
 
-def resolve_quantization(requested: str | None, path: Path, device: str) -> str:
-    """The method to load `path` with on `device`: `requested`, checked, or the default.
-    ValueError naming the flag when the combination cannot run."""
+def resolve_quantization(
+    requested: str | None, path: Path, device: str, dtype: torch.dtype = torch.bfloat16
+) -> str:
+    """The method to load `path` with on `device` in `dtype`: `requested`, checked, or the
+    default: `gguf` for a GGUF on the CPU in bf16 (float32 keeps the float32 dequantized
+    model, the reference that transformers computes). ValueError naming the flag when the
+    combination cannot run."""
     on_cuda = str(device).startswith("cuda")
     is_gguf = source_gguf(path) is not None
     if requested is None:
-        return "gguf" if is_gguf and not on_cuda else "none"
+        return "gguf" if is_gguf and not on_cuda and dtype == torch.bfloat16 else "none"
     if requested not in METHODS:
         raise ValueError(f"Unknown quantization {requested!r}; choose one of {', '.join(METHODS)}.")
     if requested == "gguf" and not is_gguf:

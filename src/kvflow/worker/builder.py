@@ -201,7 +201,7 @@ def build_engine(cls, args, log_steps: bool):
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     dtype = resolve_dtype(args.dtype, hf_config, device)
-    quantization = resolve_quantization(args.quantization, path, device)
+    quantization = resolve_quantization(args.quantization, path, device, dtype)
     batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
     backend = attention_backend(device)
     model = step_bytes = None
