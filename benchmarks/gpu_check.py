@@ -1247,6 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-kernel", action="store_true")
     parser.add_argument("--skip-parity", action="store_true", help="also skips the timing")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-fp8", action="store_true", help="skip --quantization fp8's section")
     parser.add_argument(
         "--models", default=None, help="comma-separated subset: smollm2-shape,llama-1b-shape"
     )
@@ -1295,6 +1296,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_parity:
         with tempfile.TemporaryDirectory(prefix="kvflow-gpu-check-") as tmp:
             section_parity_and_timing(args, device, report, Path(tmp), save)
+        save()
+    if not args.skip_fp8 and device == "cuda":
+        from fp8_check import section_fp8  # benchmarks/, next to this file
+
+        shapes = SMOKE_SHAPES if args.smoke else FULL_SHAPES
+        try:
+            with tempfile.TemporaryDirectory(prefix="kvflow-fp8-check-") as tmp:
+                section_fp8(args, device, report, Path(tmp), build_checkpoint, shapes,
+                            engine_decode_ms, kvflow_greedy, log)  # fmt: skip
+        except Exception:
+            report["fp8"] = {"error": traceback.format_exc()}
+            log(f"fp8: ERROR\n{report['fp8']['error']}")
         save()
     if device == "cuda":
         section_tp(report)

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
-
-from serverproc import start_server  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from kvflow.bench import serve as bench_serve  # noqa: E402
+from support.serverproc import start_server  # noqa: E402
 
 # An array of at least 50 records: the grammar cannot end before the output length (so both
 # loads generate the same number of tokens), and the steps' masks come from every kind of grammar

@@ -31,6 +31,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded default model
     served_model_name: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # gguf, int8, fp8, none; None: gguf for a .gguf on the CPU
     device: str = "cpu"
     max_model_len: int | None = None  # None or -1: auto-fit to the model and the KV pool
     block_size: int = 16

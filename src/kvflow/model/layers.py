@@ -17,6 +17,7 @@ from torch import nn
 
 from kvflow.attention import AttentionBackend, AttentionMetadata, paged_attention
 from kvflow.kernels.select import fused_ops
+from kvflow.model import quant_kernels
 from kvflow.model.linear import (  # noqa: F401 (re-exported for the architectures)
     Linear,
     MergedLinear,
@@ -49,6 +50,12 @@ class Embedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         attach_loaders(self, default_weight_loader)
+        self.quant: quant_kernels.Quantized | None = None  # set by model.quantize
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_kernels.embedding(ids, self.quant, self.weight.dtype)
+        return super().forward(ids)
 
     def reset_parameters(self) -> None:
         """Left uninitialised on purpose: the loader overwrites every parameter."""

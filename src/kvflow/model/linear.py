@@ -14,6 +14,7 @@ from kvflow.kernels import tuning
 from kvflow.kernels.cpu.linear import bf16_linear, pack_linear_weight
 from kvflow.kernels.cpu.onednn import onednn_linear, pack_weight
 from kvflow.kernels.select import fused_ops, one_row_ops
+from kvflow.model import quant_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,13 @@ def logits_linear(
     weight: torch.Tensor,
     packed: torch.Tensor | None,
     native: torch.Tensor | None,
+    quant: quant_kernels.Quantized | None = None,
 ) -> torch.Tensor:
     """float32 logits of hidden rows x [N, hidden] by the head's weight [vocab, hidden]:
     `linear` in the model's dtype, then float32. A decode row on CUDA stores its logits in
     float32 straight from the one-row kernel where that wins, saving the conversion's kernel."""
+    if quant is not None:  # the head's quantized weight (`model.quantize`); `weight` shapes it
+        return quant_kernels.apply(x, quant, None).float()
     ops = one_row_ops(x)
     if ops is not None:
 
@@ -94,8 +98,10 @@ def prepack_for_cpu(model: nn.Module) -> int:
     serve `compute_logits`; a head tied to the embedding keeps its weight for the lookups."""
     head = model.logits_weight() if hasattr(model, "logits_weight") else None
     count = 0
+    if getattr(model, "head_quant", None) is not None:
+        head = None  # the quantized head needs no packing
     for module in model.modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or module.quant is not None:
             continue
         module.packed = pack_weight(module.weight)
         module.native = pack_linear_weight(module.weight)
@@ -145,8 +151,11 @@ class Linear(nn.Linear):
         attach_loaders(self, default_weight_loader)
         self.packed: torch.Tensor | None = None  # set by prepack_for_cpu
         self.native: torch.Tensor | None = None  # set by prepack_for_cpu
+        self.quant: quant_kernels.Quantized | None = None  # set by model.quantize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_kernels.apply(x, self.quant, self.bias)
         return linear(x, self.weight, self.bias, self.packed, self.native)
 
     def reset_parameters(self) -> None:
@@ -191,7 +200,7 @@ def norm_linear(
     separate kernels (timed once per shape; only without PDL, see `norm_fusion_pays`)."""
     ops = one_row_ops(x)
     contiguous = residual is None or residual.is_contiguous()
-    if ops is not None and contiguous and tuning.norm_fusion_pays():
+    if ops is not None and contiguous and proj.quant is None and tuning.norm_fusion_pays():
         weight, bias = proj.weight, proj.bias
 
         def fused() -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +224,7 @@ def _projection(x: torch.Tensor, proj: Linear, silu: bool) -> torch.Tensor:
     if not silu:
         return proj(x)
     ops = one_row_ops(x)
-    if ops is not None:
+    if ops is not None and proj.quant is None:
         weight, bias = proj.weight, proj.bias
 
         def gated() -> torch.Tensor:

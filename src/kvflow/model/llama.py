@@ -205,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.head_packed: torch.Tensor | None = None  # set by prepack_for_cpu
         self.head_native: torch.Tensor | None = None  # set by prepack_for_cpu
+        self.head_quant = None  # set by model.quantize
 
     @classmethod
     def flavor(cls, cfg: Any) -> Flavor:
@@ -236,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.logits_weight()
-        return logits_linear(hidden, weight, self.head_packed, self.head_native)
+        return logits_linear(hidden, weight, self.head_packed, self.head_native, self.head_quant)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -134,6 +134,7 @@ class OPTForCausalLM(nn.Module):
         )
         self.head_packed: torch.Tensor | None = None  # set by prepack_for_cpu
         self.head_native: torch.Tensor | None = None  # set by prepack_for_cpu
+        self.head_quant = None  # set by model.quantize
 
     def checkpoint_name(self, name: str) -> str | None:
         """Old OPT checkpoints omit the leading "model."; the tied head is not loaded."""
@@ -158,4 +159,4 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, word_embed_proj_dim] -> float32 logits [N, vocab]."""
         weight = self.logits_weight()
-        return logits_linear(hidden, weight, self.head_packed, self.head_native)
+        return logits_linear(hidden, weight, self.head_packed, self.head_native, self.head_quant)

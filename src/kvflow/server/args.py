@@ -50,6 +50,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+def _add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["gguf", "int8", "fp8", "none"],
+        help="weights kept quantized: gguf (a .gguf's blocks, CPU), int8 (per-channel, CPU), "
+        "fp8 (per-channel, CUDA), none (the model's dtype; the default)",
+    )
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, help="model (HF directory or .gguf)")
     p.add_argument("--model", default=None, help="same as the positional MODEL")
@@ -58,6 +69,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
     )
+    _add_quantization_flag(p)
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-model-len", type=parse_max_model_len, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -333,6 +345,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         model=model,
         served_model_name=names[0] if names else None,
         dtype=dtype,
+        quantization=args.quantization,
         device=args.device,
         max_model_len=args.max_model_len,
         block_size=args.block_size,

@@ -23,6 +23,7 @@ from kvflow.model.loader import (
     resolve_dtype,
     resolve_model,
 )
+from kvflow.model.quantize import describe, quantize_model, resolve_quantization
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured.backend import GrammarBackend
 from kvflow.structured.config import StructuredOutputsConfig
@@ -176,6 +177,14 @@ def load_chat_template(tokenizer, chat_template: str | None) -> None:
     tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
 
 
+def load_quantized(path: Path, dtype: torch.dtype, device: str, backend, quantization: str):
+    """`load_model` with `quantization`'s weights put in; logs the choice and the bytes."""
+    model, hf_config = load_model(path, dtype, device, attn_backend=backend)
+    new, old = quantize_model(model, quantization, path)
+    logger.info("%s", describe(quantization, new, old, dtype))
+    return model, hf_config
+
+
 def build_engine(cls, args, log_steps: bool):
     """Returns `cls(...)` (an LLMEngine). Raises ValueError naming the numbers and the fix when
     the KV pool cannot serve one request or an explicit --max-model-len exceeds it."""
@@ -229,9 +238,10 @@ def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str
     """(model, its config, the KV pool's CacheConfig, max_model_len): on a device whose pool
     gets what the weights and one step leave, the model is loaded and a step profiled first."""
     backend = attention_backend(device)
+    quantization = resolve_quantization(args.quantization, path, device, dtype)
     model = step_bytes = None
     if needs_profile(args, device):
-        model, hf_config = load_model(path, dtype, device, attn_backend=backend)
+        model, hf_config = load_quantized(path, dtype, device, backend, quantization)
         step_bytes = profile_step(
             model, hf_config, batched, args.max_num_seqs, args.block_size, dtype
         )
@@ -243,7 +253,7 @@ def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str
     if faults is not None:
         max_model_len = faults.max_model_len(max_model_len)
     if model is None:
-        model, hf_config = load_model(path, dtype, device, attn_backend=backend)
+        model, hf_config = load_quantized(path, dtype, device, backend, quantization)
     return model, hf_config, cache, max_model_len
 
 

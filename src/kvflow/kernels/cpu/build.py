@@ -47,12 +47,13 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+def _build(compiler: str, path: Path = SOURCE) -> Path:
+    """The shared library of the C file `path` (built now unless cached) -> its path."""
+    source = path.read_bytes()
     key = hashlib.sha256(
         b"\0".join([source, " ".join([compiler, *FLAGS]).encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    target = cache_root() / "kernels" / f"{path.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +61,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     with scratch(Path(tmp)):
         subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True
+            [compiler, *FLAGS, "-o", tmp, str(path)], check=True, capture_output=True, text=True
         )
         os.replace(tmp, target)
     return target

@@ -1,0 +1,209 @@
+"""Quantized weights in the layout the native quantized kernels read (csrc/quant_kernels.c).
+
+A weight [N, K] is cut along K in groups of `group` columns; w[n, k] = scales[n, g] * code[n, k]
++ mins[n, g] with g = k // group, scales and mins float32. `bits` 8: one int8 code per column;
+`bits` 4: two unsigned codes a byte, each 32 columns c.. in 16 bytes (byte i: column c + i low,
+c + 16 + i high), which is how GGUF's Q4_0 and Q4_1 blocks hold them already.
+
+GGUF block types map onto it exactly (every scale and min is a float16 times a small integer,
+exact in float32): Q8_0 -> 8 bits, group 32; Q4_0, Q4_1, Q4_K -> 4 bits, group 32; Q5_K -> 8
+bits, group 32; Q6_K -> 8 bits, group 16. `quantize_int8` makes the int8 weight-only format of
+`--quantization int8`: one group per row (per-output-channel scales), no offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # uint8 [N, K // 2] (bits 4) or [N, K] (bits 8: int8 bit patterns)
+    scales: torch.Tensor  # float32 [N, K // group]
+    mins: torch.Tensor  # float32 [N, K // group]
+    bits: int
+    group: int
+    in_features: int
+    kind: str  # where it came from: a GGUF type name or "int8"
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
+
+    def int_codes(self) -> torch.Tensor:
+        """The codes as int16 [N, K] (unpacked)."""
+        if self.bits == 8:
+            return self.codes.view(torch.int8).to(torch.int16)
+        n, k = self.out_features, self.in_features
+        packed = self.codes.view(n, k // 32, 16).to(torch.int16)
+        return torch.cat((packed & 15, packed >> 4), dim=2).reshape(n, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] (computed in float64, then rounded once to `dtype`)."""
+        codes = self.int_codes().double()
+        scales = self.scales.double().repeat_interleave(self.group, dim=1)
+        mins = self.mins.double().repeat_interleave(self.group, dim=1)
+        return (codes * scales + mins).to(dtype)
+
+    def widened(self, bits: int, group: int) -> QuantizedWeight:
+        """The same values with `bits` >= self.bits and a `group` dividing self.group."""
+        if bits < self.bits or self.group % group:
+            raise ValueError(f"cannot hold {self.bits}-bit/{self.group} as {bits}-bit/{group}")
+        codes = self.codes
+        if bits != self.bits:
+            codes = self.int_codes().to(torch.int8).view(torch.uint8)
+        repeat = self.group // group
+        scales = self.scales.repeat_interleave(repeat, dim=1)
+        mins = self.mins.repeat_interleave(repeat, dim=1)
+        return QuantizedWeight(codes, scales, mins, bits, group, self.in_features, self.kind)
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Rows `index` of the weight, in that order."""
+        pick = [t.index_select(0, index).contiguous() for t in (self.codes, self.scales, self.mins)]
+        return QuantizedWeight(*pick, self.bits, self.group, self.in_features, self.kind)
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The parts stacked along the output dim (a fused q|k|v or gate|up): each widened to
+        the most bits and the smallest group among them, which holds every value exactly."""
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("fused quantized weights need one input size")
+        bits, group = max(p.bits for p in parts), min(p.group for p in parts)
+        parts = [p.widened(bits, group) for p in parts]
+        kinds = sorted({p.kind for p in parts})
+        tensors = [torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")]
+        return QuantizedWeight(*tensors, bits, group, parts[0].in_features, "+".join(kinds))
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        """Tensors for a safetensors file (see `from_state`)."""
+        meta = torch.tensor([self.bits, self.group, self.in_features], dtype=torch.int64)
+        return {
+            f"{name}.codes": self.codes,
+            f"{name}.scales": self.scales,
+            f"{name}.mins": self.mins,
+            f"{name}.meta": meta,
+        }
+
+    @staticmethod
+    def from_state(get, name: str, kind: str) -> QuantizedWeight:
+        bits, group, in_features = (int(v) for v in get(f"{name}.meta"))
+        codes, scales, mins = (get(f"{name}.{f}") for f in ("codes", "scales", "mins"))
+        return QuantizedWeight(codes, scales, mins, bits, group, in_features, kind)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 with one float32 scale per output row: max |w| of the row maps to 127."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"int8 quantization needs an input size divisible by 32, got {k}")
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(w / scale).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    return QuantizedWeight(codes, scale, torch.zeros_like(scale), 8, k, k, "int8")
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
+
+
+def _pack4(codes: np.ndarray) -> np.ndarray:
+    """Codes [N, K] in 0..15 -> [N, K // 2] bytes in the 32-column nibble layout."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // 32, 2, 16).astype(np.uint8)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs of a Q4_K/Q5_K super-block from its 12 bytes [..., 12]."""
+    s = s.astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q8_0(b: np.ndarray, n: int) -> tuple:
+    d = _f16(b[..., 0:2])
+    return b[..., 2:].view(np.int8).reshape(n, -1).view(np.uint8), d, np.zeros_like(d), 8, 32
+
+
+def _q4_0(b: np.ndarray, n: int) -> tuple:
+    d = _f16(b[..., 0:2])
+    return b[..., 2:].reshape(n, -1), d, -8.0 * d, 4, 32
+
+
+def _q4_1(b: np.ndarray, n: int) -> tuple:
+    return b[..., 4:].reshape(n, -1), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4, 32
+
+
+def _k_common(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sc, mn = _k_scales(b[..., 4:16])
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    n = b.shape[0]
+    return (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
+
+
+def _q4_k(b: np.ndarray, n: int) -> tuple:
+    qs = b[..., 16:144].reshape(n, -1, 4, 1, 32)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, -1)
+    return (_pack4(codes), *_k_common(b), 4, 32)
+
+
+def _q5_k(b: np.ndarray, n: int) -> tuple:
+    qh = b[..., 16:48].reshape(n, -1, 1, 1, 32)
+    qs = b[..., 48:176].reshape(n, -1, 4, 1, 32)
+    shift = (2 * np.arange(4)).reshape(1, 1, 4, 1, 1).astype(np.uint8)
+    lo = (qs & 15) | (((qh >> shift) & 1) << 4)
+    hi = (qs >> 4) | (((qh >> (shift + 1)) & 1) << 4)
+    codes = np.concatenate([lo, hi], axis=3).reshape(n, -1)
+    return (codes.astype(np.uint8), *_k_common(b), 8, 32)
+
+
+def _q6_k(b: np.ndarray, n: int) -> tuple:
+    ql = b[..., 0:128].reshape(n, -1, 2, 2, 32)  # [half][first|second 32 bytes]
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    shift = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    low = np.concatenate([ql & 15, ql >> 4], axis=3)  # columns 0, 32, 64, 96 of a half
+    codes = (low | (((qh >> shift) & 3) << 4)).astype(np.int16) - 32
+    scales = b[..., 192:208].view(np.int8).astype(np.float32) * _f16(b[..., 208:210])[..., None]
+    codes = codes.astype(np.int8).reshape(n, -1).view(np.uint8)
+    return codes, scales.reshape(n, -1), np.zeros((n, scales.size // n), np.float32), 8, 16
+
+
+_PARSERS = {
+    "Q8_0": (34, 32, _q8_0),
+    "Q4_0": (18, 32, _q4_0),
+    "Q4_1": (20, 32, _q4_1),
+    "Q4_K": (144, 256, _q4_k),
+    "Q5_K": (176, 256, _q5_k),
+    "Q6_K": (210, 256, _q6_k),
+}
+
+
+def from_gguf_blocks(raw: np.ndarray, kind: str, in_features: int) -> QuantizedWeight:
+    """A GGUF tensor's blocks (uint8 [N, bytes per row], as gguf's reader gives them) of block
+    type `kind` -> the kernels' layout, holding exactly the values the blocks hold."""
+    if kind not in _PARSERS:
+        raise ValueError(
+            f"GGUF tensor type {kind} is not supported by the quantized kernels (supported: "
+            f"{', '.join(GGUF_TYPES)}); serve it with --quantization none (dequantized)"
+        )
+    block_bytes, block_cols, parse = _PARSERS[kind]
+    if in_features % block_cols:
+        raise ValueError(f"{kind} rows of {in_features} columns are not whole blocks")
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, block_bytes)
+    codes, scales, mins, bits, group = parse(blocks, n)
+    scales = np.ascontiguousarray(scales, np.float32).reshape(n, -1)
+    mins = np.ascontiguousarray(mins, np.float32).reshape(n, -1)
+    tensors = (torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales, mins))
+    return QuantizedWeight(*tensors, bits, group, in_features, kind)

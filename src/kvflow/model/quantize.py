@@ -1,0 +1,107 @@
+"""`--quantization`: which quantized weights a loaded model computes with, and putting them in.
+
+- `gguf` (a .gguf model on the CPU): the file's own blocks, repacked (`gguf_quant`), for every
+  projection and the logits head / embedding, as stored: no value is rounded again.
+- `int8` (any model on the CPU): int8 codes with a float32 scale per output channel, made now.
+- `fp8` (CUDA): float8_e4m3fn codes with a float32 scale per output channel, made now.
+- `none`: the model's dtype throughout (a GGUF dequantized to it).
+
+The default (None) for a GGUF model on the CPU in bf16 is `gguf`: see README, "Quantized
+weights".
+Each quantized layer lets its float weight go (a placeholder keeps the shape), so the
+resident weights are the quantized bytes plus the norms.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvflow.model.fp8_linear import quantize_fp8
+from kvflow.model.gguf_quant import gguf_weights, source_gguf
+from kvflow.model.layers import Embedding
+from kvflow.model.linear import Linear, _release_weight
+from kvflow.model.quant_format import QuantizedWeight, quantize_int8
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("gguf", "int8", "fp8", "none")
+
+
+def resolve_quantization(
+    requested: str | None, path: Path, device: str, dtype: torch.dtype = torch.bfloat16
+) -> str:
+    """The method to load `path` with on `device` in `dtype`: `requested`, checked, or the
+    default: `gguf` for a GGUF on the CPU in bf16 (float32 keeps the float32 dequantized
+    model, the reference that transformers computes). ValueError naming the flag when the
+    combination cannot run."""
+    on_cuda = str(device).startswith("cuda")
+    is_gguf = source_gguf(path) is not None
+    if requested is None:
+        return "none"  # the quantized path is opt-in until it is the measured default
+    if requested not in METHODS:
+        raise ValueError(f"Unknown quantization {requested!r}; choose one of {', '.join(METHODS)}.")
+    if requested == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf needs a .gguf model (or the embedded default).")
+    if requested in ("gguf", "int8") and on_cuda:
+        raise ValueError(f"--quantization {requested} runs on the CPU; on CUDA use fp8 or none.")
+    if requested == "fp8" and not on_cuda:
+        raise ValueError("--quantization fp8 runs on CUDA; on the CPU use int8 or gguf.")
+    return requested
+
+
+def quantize_model(model: nn.Module, method: str, path: Path) -> tuple[int, int]:
+    """Put `method`'s weights into `model` (loaded from `path`); returns (quantized weights'
+    bytes, the bytes the weights they replace held)."""
+    if method == "none":
+        return 0, 0
+    stored = gguf_weights(path) if method == "gguf" else None
+    packed: dict[str, list[str]] = getattr(model, "packed_modules", {})
+    head = model.logits_weight() if hasattr(model, "logits_weight") else None
+    new = old = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear | Embedding):
+            continue
+        if stored is not None:
+            weight = _stored_weight(name, stored, packed if isinstance(module, Linear) else {})
+        elif isinstance(module, Linear) or module.weight is head:  # lookups: nothing to gain
+            weight = (quantize_int8 if method == "int8" else quantize_fp8)(module.weight)
+        else:
+            weight = None
+        if weight is None:
+            continue
+        new += weight.nbytes
+        old += module.weight.numel() * module.weight.element_size()
+        module.quant = weight
+        if module.weight is head:
+            model.head_quant = weight
+    for module in model.modules():
+        if isinstance(module, Linear | Embedding) and module.quant is not None:
+            _release_weight(module)
+    return new, old
+
+
+def _stored_weight(
+    name: str, stored: dict[str, QuantizedWeight], packed: dict[str, list[str]]
+) -> QuantizedWeight | None:
+    """A layer's weight from the file, its shards stacked (None: a float tensor in the file,
+    which the layer keeps in the model's dtype)."""
+    leaf = name.rsplit(".", 1)[-1]
+    prefix = name[: len(name) - len(leaf)]
+    parts = [stored.get(f"{prefix}{shard}.weight") for shard in packed.get(leaf, [leaf])]
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
+
+
+def describe(method: str, new: int, old: int, dtype: torch.dtype) -> str:
+    """The start-up line: method and the weights' bytes."""
+    if method == "none":
+        return f"quantization: none (weights in {str(dtype).removeprefix('torch.')})"
+    return (
+        f"quantization: {method}; quantized weights {new / 2**20:.1f} MiB in place of "
+        f"{old / 2**20:.1f} MiB in {str(dtype).removeprefix('torch.')}"
+    )

@@ -1,0 +1,145 @@
+"""Quantized weights (kvflow.model.quant_format) and their kernels (quant_kernels) against a
+float64 dequantize-then-matmul, per GGUF block type.
+
+Weights come from the `gguf` package's own quantizers where it has one (Q8_0, Q4_0, Q4_1); it
+has none for the K-quants, so their blocks are random bytes with sane float16 super-scales
+(every byte pattern is a valid block), and gguf's own `dequantize` is the oracle for the values.
+
+The bound: the repacked layout holds every block's values exactly (each scale and min is a
+float16 times a small integer, exact in float32; the kernel makes a weight with one fused
+multiply-add, within one float32 rounding of it), so what remains is the float32 summation over
+K and the one rounding of the output to bf16:
+    |y - y64| <= 2^-8 |y64| + (K + 2) 2^-24 sum_k |w_k x_k|
+(2^-8: bf16's half ulp is 2^-9 relative, doubled for the rounding of the float32 sum's error).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kvflow.model import quant_kernels
+from kvflow.model.quant_format import GGUF_TYPES, QuantizedWeight, from_gguf_blocks, quantize_int8
+
+BLOCK = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32)}
+SUPER = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+needs_native = pytest.mark.skipif(
+    not quant_kernels.native_available(), reason="no C compiler: the quantized kernels are off"
+)
+
+
+def gguf_tensor(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, bytes per row] of GGUF blocks of `kind`."""
+    rng = np.random.default_rng(seed)
+    if kind in BLOCK:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return quantize(w, GGMLQuantizationType[kind])
+    size = SUPER[kind]
+    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    scales = (rng.random((rows, cols // 256, 2)) * 0.02 + 0.001).astype(np.float16)
+    at = slice(208, 210) if kind == "Q6_K" else slice(0, 4)
+    raw[..., at] = scales.view(np.uint8).reshape(rows, cols // 256, 4)[..., : at.stop - at.start]
+    return raw.reshape(rows, -1)
+
+
+def reference(x: torch.Tensor, w64: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w64.T
+    return y if bias is None else y + bias.double()
+
+
+def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, y64) -> None:
+    """The module's bound; float32 results skip the bf16 term (no rounding to bf16)."""
+    k = w64.shape[1]
+    magnitude = x.double().abs() @ w64.abs().T
+    rounding = 2.0**-8 if y.dtype == torch.bfloat16 else 0.0
+    bound = rounding * y64.abs() + (k + 2) * 2.0**-24 * magnitude + 1e-30
+    excess = ((y.double() - y64).abs() / bound).max().item()
+    assert excess <= 1.0, f"error {excess:.2f}x the bound"
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_repacked_values_are_the_blocks_values(kind: str) -> None:
+    cols = 512
+    raw = gguf_tensor(kind, 7, cols)
+    ours = from_gguf_blocks(raw, kind, cols).dequantize(torch.float64)
+    theirs = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64))
+    # gguf computes in float32 (one rounding per product): equal to float32 precision
+    torch.testing.assert_close(ours, theirs, rtol=2**-22, atol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_kernel_matches_float64_matmul(kind: str) -> None:
+    """Weight rows crossing the kernel's 4- and 2-row tiles, inputs of one block and of several
+    (K-quants: 256 and 768 columns), activation rows crossing its 8-row passes and its 16-row
+    limit (beyond which it dequantizes to bf16: bf16 weights, checked with their own bound)."""
+    torch.manual_seed(0)
+    for cols in (256, 768) if kind in SUPER else (32, 96, 544):
+        for rows in (1, 5, 67):
+            weight = from_gguf_blocks(gguf_tensor(kind, rows, cols, seed=rows), kind, cols)
+            w64 = weight.dequantize(torch.float64)
+            bias = torch.randn(rows).bfloat16()
+            for m, dtype in itertools.product((1, 2, 3, 8, 9, 16), (torch.bfloat16, torch.float32)):
+                x = torch.randn(m, cols).to(dtype)
+                b = bias.to(dtype) if m % 2 else None
+                y = quant_kernels.quant_linear(x, weight, b)
+                assert y.dtype == dtype and y.shape == (m, rows)
+                assert_within_bound(y, x, w64, reference(x, w64, b))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
+def test_large_batches_dequantize(kind: str) -> None:
+    """More rows than the kernel takes: the weight goes to the activations' dtype (bf16: one
+    rounding of each value, 2^-9 relative; float32: exact), then torch's matmul."""
+    weight = from_gguf_blocks(gguf_tensor(kind, 40, 256), kind, 256)
+    w64 = weight.dequantize(torch.float64)
+    x = torch.randn(quant_kernels.MAX_KERNEL_ROWS + 3, 256).bfloat16()
+    y = quant_kernels.quant_linear(x, weight, None).double()
+    y64 = reference(x, w64, None)
+    magnitude = x.double().abs() @ w64.abs().T
+    assert ((y - y64).abs() <= 2.0**-8 * y64.abs() + 2.0**-8 * magnitude).all()
+    assert torch.equal(quant_kernels.dequantize(weight, torch.float32), w64.float())
+
+
+def test_fused_shards_of_different_types_keep_every_value() -> None:
+    """q|k|v of a Q4_K_M file mixes Q4_K and Q6_K: stacked as 8 bits in groups of 16."""
+    q = from_gguf_blocks(gguf_tensor("Q4_K", 6, 256, 1), "Q4_K", 256)
+    v = from_gguf_blocks(gguf_tensor("Q6_K", 3, 256, 2), "Q6_K", 256)
+    fused = QuantizedWeight.cat([q, v])
+    assert (fused.bits, fused.group, fused.out_features) == (8, 16, 9)
+    expected = torch.cat([q.dequantize(torch.float64), v.dequantize(torch.float64)])
+    assert torch.equal(fused.dequantize(torch.float64), expected)
+
+
+def test_unsupported_block_type_is_named() -> None:
+    with pytest.raises(ValueError, match="Q2_K.*--quantization none"):
+        from_gguf_blocks(np.zeros((2, 84), np.uint8), "Q2_K", 256)
+
+
+@needs_native
+def test_int8_per_channel() -> None:
+    """Each row's largest |w| is code 127; every value within half a step of its row's scale;
+    the kernel within the bound of its float64 matmul."""
+    torch.manual_seed(1)
+    w = torch.randn(37, 96) * torch.linspace(0.01, 3.0, 37)[:, None]
+    q = quantize_int8(w)
+    codes = q.int_codes()
+    assert (codes.abs().amax(dim=1) == 127).all()
+    step = q.scales[:, :1].double()
+    assert ((q.dequantize(torch.float64) - w.double()).abs() <= step / 2 + 1e-6 * step).all()
+    x = torch.randn(5, 96).bfloat16()
+    w64 = q.dequantize(torch.float64)
+    assert_within_bound(quant_kernels.quant_linear(x, q, None), x, w64, reference(x, w64, None))
+
+
+def test_quantized_embedding_rows() -> None:
+    weight = from_gguf_blocks(gguf_tensor("Q8_0", 50, 64), "Q8_0", 64)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    rows = quant_kernels.embedding(ids, weight, torch.float32)
+    assert rows.shape == (2, 2, 64)
+    assert torch.equal(rows[0, 0], weight.dequantize(torch.float32)[3])
