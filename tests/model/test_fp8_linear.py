@@ -19,7 +19,7 @@ from kvflow.model.fp8_linear import FP8_MAX, quantize_fp8, scaled_mm  # noqa: E4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpreter import patch_interpreter  # float32 -> bf16 rounds as on a GPU
+    from support.triton_interpreter import patch_interpreter  # float32 -> bf16 rounds as on a GPU
 
     patch_interpreter()
 
