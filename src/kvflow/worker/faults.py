@@ -117,11 +117,13 @@ def _poison_logits(runner: Any, token: int) -> None:
         row, rows = runner.requests[req_id].row, runner.rows
         return bool((rows.token_ids[row, : rows.prompt_len[row]] == token).any())
 
-    def sample_poisoned(logits: Any, req_ids: list[str], *args: Any, raw: Any = None) -> Any:
+    def sample_poisoned(
+        logits: Any, req_ids: list[str], *args: Any, raw: Any = None, **kwargs: Any
+    ) -> Any:
         rows = [i for i, r in enumerate(req_ids) if marked(r)]
         if rows:  # (`raw`, a decode graph's greedy tokens, came from the clean logits)
             logits, raw = logits.clone(), None
             logits[rows] = float("nan")
-        return sample(logits, req_ids, *args, raw=raw)
+        return sample(logits, req_ids, *args, raw=raw, **kwargs)
 
     runner._sample = sample_poisoned

@@ -189,7 +189,13 @@ class ModelRunner:
         if logits is None:
             logits = self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])
         return self._sample(
-            logits, step.sample_ids, step.sample_states, sampling, prompt_logprobs, raw, mask
+            logits,
+            step.sample_ids,
+            step.sample_states,
+            sampling,
+            prompt_logprobs,
+            raw=raw,
+            mask=mask,
         )
 
     def _gather_inputs(self, sched: SchedulerOutput) -> _StepInputs:
