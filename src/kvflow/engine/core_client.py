@@ -104,6 +104,7 @@ class ProcessEngine:
         self.remote: RemoteCore = engine.core  # type: ignore[assignment]
         self.stat_logger = stat_logger
         self.history = StatsHistory()  # per-second stats for the live view
+        self.num_admission_rejections = 0  # --max-num-queued-reqs refusals (event loop only)
         self.max_num_queued_reqs = max_num_queued_reqs
         self.watchdog_timeout = watchdog_timeout
         self.identity = identity
@@ -261,6 +262,7 @@ class ProcessEngine:
         params = self.engine.validate(prompt_token_ids, params)
         limit = self.max_num_queued_reqs
         if limit is not None and self._num_queued(adding=1) > limit:
+            self.num_admission_rejections += 1
             raise EngineUnavailableError(
                 f"The request queue is full ({limit} requests waiting, "
                 "--max-num-queued-reqs). Retry later.",
