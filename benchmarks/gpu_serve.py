@@ -99,7 +99,7 @@ def start_server(path: Path, device: str, max_seqs: int, log_path: Path):
         cmd += ["--num-blocks", "512"]
     else:
         cmd += ["--gpu-memory-utilization", str(MEMORY["gpu_memory_utilization"])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "KVFLOW_ENGINE_PROCESS": "1"}
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
