@@ -30,7 +30,7 @@ browser:
 
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q -x --timeout 600 tests
+	$(PY) -m pytest -q -x --timeout 600 --durations=25 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -7,7 +7,7 @@ stepped on a thread of the API server process (`KVFLOW_ENGINE_PROCESS=0`: before
 its own process (after), alternated `--repeats` times. `kvflow bench serve` streams
 `/v1/completions` at each concurrency; the CPU time of each process (utime + stime from
 /proc/<pid>/stat, every thread) is read before and after every level, so the table gives CPU
-microseconds per output token per process. The engine process's own loop accounting (its
+microseconds per output token per process (the load generator's too, as "client"). The engine process's own loop accounting (its
 `loop_stats`: time stepping, applying commands, sending outputs, idle, and blocked on the socket
 idle) is read from its log line at exit.
 
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -49,6 +50,12 @@ def proc_cpu(pid: int) -> float:
         return 0.0
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's waited-for children (the load generator `bench` runs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def children(pid: int) -> list[int]:
@@ -110,15 +117,19 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
         for c in args.concurrency_list:
             pids = {"api": proc.pid, **({"engine": engine_pids[0]} if engine_pids else {})}
             before = {k: proc_cpu(p) for k, p in pids.items()}
+            before["client"] = children_cpu()
             res = bench(port, c, args, tmp / f"{mode}-c{c}.json")
             after = {k: proc_cpu(p) for k, p in pids.items()}
+            after["client"] = children_cpu()
             tokens = res["total_output_tokens"]
             rows[c] = {
                 "tok_s": res["output_throughput"],
                 "ttft_p50_ms": res.get("median_ttft_ms"),
                 "errors": res["errors"],
                 "load_avg_1m": os.getloadavg()[0],  # the host is shared: how busy it was
-                "cpu_us_per_tok": {k: (after[k] - before[k]) / max(tokens, 1) * 1e6 for k in pids},
+                "cpu_us_per_tok": {
+                    k: (after[k] - v) / max(tokens, 1) * 1e6 for k, v in before.items()
+                },
             }
             print(f"  {mode} c={c}: {res['output_throughput']:.0f} tok/s {rows[c]}", flush=True)
     finally:
@@ -162,17 +173,19 @@ def table(runs: dict[str, list], levels: list[int]) -> str:
 
     lines = [
         "| concurrency | today tok/s | in-process + merged deltas | engine process | "
-        "engine process / today | CPU us/tok today | CPU us/tok engine process (API + engine) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "engine process / today | CPU us/tok today | CPU us/tok engine process (API + engine) | "
+        "load generator us/tok (today, engine process) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in levels:
         base, merged, proc = (med(m, c, "tok_s") for m in MODES)
         cpu_base = med("today", c, "cpu_us_per_tok", "api")
         cpu_api = med("engine-process", c, "cpu_us_per_tok", "api")
         cpu_eng = med("engine-process", c, "cpu_us_per_tok", "engine")
+        client = [med(m, c, "cpu_us_per_tok", "client") for m in ("today", "engine-process")]
         lines.append(
             f"| {c} | {base:,.0f} | {merged:,.0f} | {proc:,.0f} | {proc / base:.2f}x | "
-            f"{cpu_base:.0f} | {cpu_api:.0f} + {cpu_eng:.0f} |"
+            f"{cpu_base:.0f} | {cpu_api:.0f} + {cpu_eng:.0f} | {client[0]:.0f}, {client[1]:.0f} |"
         )
     lines.append(f"\nengine loop (last engine-process run): {runs['engine-process'][-1]['loop']}")
     return "\n".join(lines)

@@ -2,11 +2,13 @@
 routers (vllm-router's kv_aware policy, llm-d's indexer, NVIDIA Dynamo) can index kvflow's
 prefix cache.
 
-Encoding: msgspec msgpack of `KVEventBatch` as current consumers decode it (vllm-router
-0.1.17's kv_aware index, tested): the batch an array `[ts, events, data_parallel_rank]`,
-each event a map tagged `"type": "BlockStored"` and so on (older vLLM sent the events as
-arrays too), block hashes as 64-bit unsigned ints (the last 8 bytes of kvflow's block hash,
-as vLLM sends its hashes by default). Transport: a ZeroMQ PUB socket sends `(topic, seq, payload)`
+Encoding: msgspec msgpack of `KVEventBatch` as vLLM publishes it since its events became maps
+(vLLM 0.26 on; vllm-router's kv_aware index and llm-d's decode it): the batch an array
+`[ts, events, data_parallel_rank]`, each event a map tagged `"type": "BlockStored"` and so on
+with vLLM's field names, block hashes as 64-bit unsigned ints (the last 8 bytes of kvflow's
+block hash, as vLLM sends its hashes by default). kvflow's one KV-cache group is vLLM's group 0
+of kind `full_attention`; `extra_keys` is one `None` a block (no LoRA, salt or media keys).
+Transport: a ZeroMQ PUB socket sends `(topic, seq, payload)`
 with `seq` an 8-byte big-endian counter; an optional ROUTER replay socket answers a request
 `(identity, b"", start_seq)` with every buffered `(seq, payload)` from `start_seq` on and then
 `(-1, b"")`. The engine thread only enqueues (never blocks); a full queue drops the batch and
@@ -32,6 +34,8 @@ from kvflow.core.hashing import BlockHash
 logger = logging.getLogger("kvflow.kv_events")
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the device tier (kvflow's pool, on CPU or GPU)
+GROUP = 0  # kvflow's one KV-cache group
+GROUP_KIND = "full_attention"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -53,11 +57,16 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -79,11 +88,13 @@ def to_wire(records: list[core_events.KVEvent], block_size: int) -> list[KVCache
         if isinstance(rec, core_events.BlockStored):
             parent = None if rec.parent_hash is None else external_hash(rec.parent_hash)
             hashes = [external_hash(h) for h in rec.block_hashes]
-            out.append(
-                BlockStored(hashes, parent, rec.token_ids, block_size, None, MEDIUM_GPU, None)
-            )
+            extra_keys: list[tuple[Any, ...] | None] = [None] * len(hashes)
+            stored = BlockStored(hashes, parent, rec.token_ids, block_size, None, MEDIUM_GPU,
+                                 None, extra_keys, GROUP, GROUP_KIND)  # fmt: skip
+            out.append(stored)
         elif isinstance(rec, core_events.BlockRemoved):
-            out.append(BlockRemoved([external_hash(h) for h in rec.block_hashes], MEDIUM_GPU))
+            hashes = [external_hash(h) for h in rec.block_hashes]
+            out.append(BlockRemoved(hashes, MEDIUM_GPU, GROUP))
         else:
             out.append(AllBlocksCleared())
     return out

@@ -1,12 +1,14 @@
 """The engine core in its own process, driven through ProcessEngine without HTTP: outputs
 match the in-process engine's, a stop string found on the API side ends the request in the
 core, aborts free blocks, a utility call returns typed plain data, an unknown method is a clear
-error, and Shutdown ends the process with status 0. One engine process for the module (the
+error, output constraints compile and apply in the engine process, and Shutdown ends the
+process with status 0. One engine process for the module (the
 real embedded model; greedy)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Iterator
 
@@ -17,7 +19,7 @@ from kvflow.engine.core_launch import frontend, launch_engine, load_frontend_tok
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import EngineArgs
 from kvflow.model.loader import resolve_model
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 ARGS = dict(dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8)
 PROMPT = "The capital of France is"
@@ -100,6 +102,54 @@ def test_stop_string_abort_and_utility(process) -> None:
     assert isinstance(stats, EngineStats)
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
     assert loop_stats["steps"] > 0 and loop_stats["step_s"] > 0 and loop_stats["idle_s"] > 0
+
+
+class Recorder:
+    """A stat logger that keeps every pass's IterationStats."""
+
+    def __init__(self) -> None:
+        self.passes: list = []
+
+    def record(self, stats) -> None:
+        self.passes.append(stats)
+
+
+def test_output_constraints_compile_in_the_engine_process(process) -> None:
+    """The API side parses a constraint (a bad one is a ValueError before anything is sent);
+    the engine process compiles it and masks the logits: outputs follow the constraint, n > 1
+    included, as the in-process engine's do, and each compile time comes back for the metrics."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    json_so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    choice_so = StructuredOutputsParams(choice=["Paris", "Lyon", "Nice"])
+    recorder = Recorder()
+
+    async def scenario(client):
+        with pytest.raises(ValueError, match="cannot be compiled"):
+            client.validate_structured_outputs(StructuredOutputsParams(regex="(unclosed"))
+        json_params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_so)
+        choice_params = SamplingParams(
+            temperature=0.8, seed=3, n=3, max_tokens=8, structured_outputs=choice_so
+        )
+        ids = client.engine.tokenize_prompt(PROMPT)
+        text = await collect(client, "j", PROMPT, json_params)
+        outs = [o async for o in client.generate("c", ids, choice_params)]
+        return text, outs
+
+    (text, finish), outs = run(process, scenario, stat_logger=recorder)
+    assert finish == "stop" and list(json.loads(text)) == ["city"], text
+    choices: dict[int, str] = {}
+    for out in outs:
+        for c in out.outputs:
+            choices[c.index] = choices.get(c.index, "") + c.text
+    assert len(choices) == 3 and set(choices.values()) <= {"Paris", "Lyon", "Nice"}, choices
+    compiles = [t for stats in recorder.passes for t in stats.grammar_compile_times]
+    assert len(compiles) == 4 and all(t >= 0 for t in compiles)  # one per core request
+    assert sum(stats.num_grammar_failures for stats in recorder.passes) == 0
 
 
 def test_queue_limit_counts_adds_the_engine_has_not_taken(process) -> None:

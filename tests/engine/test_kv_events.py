@@ -138,30 +138,67 @@ def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, byte
         req.close()
 
 
+class _Batch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """vLLM's event structs as a subscriber declares them (vLLM 0.26 on: the batch an array, the
+    events maps tagged by class name); unknown fields are refused, to pin the layout exactly."""
+
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    data_parallel_rank: int | None = None
+
+
+class _Event(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+class _Stored(_Event, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _Removed(_Event, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _Cleared(_Event, tag="AllBlocksCleared"):
+    pass
+
+
+_DECODER = msgspec.msgpack.Decoder(_Batch)
+
+
 def _rebuild(payloads: list[bytes]) -> set[int]:
-    """Decoded as plain msgpack, to pin the wire layout vllm-router's kv_aware index reads:
-    the batch `[ts, events, data_parallel_rank]`, each event a map tagged by `type` with vLLM's field names."""
+    """The cached block ids a subscriber rebuilds, decoding with vLLM's structs; the wire carries
+    every field vLLM sends for a full-attention group (vllm-router reads the same layout)."""
     cached: set[int] = set()
     for payload in payloads:
-        batch = msgspec.msgpack.decode(payload)
-        ts, events, data_parallel_rank = batch  # an array, as vLLM's publisher sends it
-        assert data_parallel_rank == 0
-        assert abs(ts - time.time()) < 600
-        for event in events:
-            if event["type"] == "BlockStored":
-                assert set(event) == {"type", "block_hashes", "parent_block_hash", "token_ids",
-                                      "block_size", "lora_id", "medium", "lora_name"}  # fmt: skip
-                hashes, tokens = event["block_hashes"], event["token_ids"]
-                assert event["block_size"] == BLOCK and len(tokens) == BLOCK * len(hashes)
-                assert event["lora_id"] is None and event["medium"] == "GPU"
-                parent = event["parent_block_hash"]
-                assert parent is None or isinstance(parent, int)
+        batch = _DECODER.decode(payload)
+        assert batch.data_parallel_rank == 0
+        assert abs(batch.ts - time.time()) < 600
+        assert isinstance(msgspec.msgpack.decode(payload)[1][0], dict)  # events are maps
+        for event in batch.events:
+            if isinstance(event, _Stored):
+                hashes, tokens = event.block_hashes, event.token_ids
+                assert event.block_size == BLOCK and len(tokens) == BLOCK * len(hashes)
+                assert event.lora_id is None and event.lora_name is None and event.medium == "GPU"
+                assert event.extra_keys == [None] * len(hashes)
+                assert (event.group_idx, event.kv_cache_spec_kind) == (0, "full_attention")
                 cached.update(hashes)
-            elif event["type"] == "BlockRemoved":
-                assert event["medium"] == "GPU"
-                cached.difference_update(event["block_hashes"])
+            elif isinstance(event, _Removed):
+                assert event.medium == "GPU" and event.group_idx == 0
+                cached.difference_update(event.block_hashes)
             else:
-                assert event == {"type": "AllBlocksCleared"}
                 cached.clear()
     return cached
 

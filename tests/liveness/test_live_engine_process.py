@@ -2,7 +2,8 @@
 core in a child process). Killing the engine process is engine death: every client gets a
 terminal answer, /health answers 503, the server exits 1 within 5 s and leaves no process.
 Killing the API server takes the engine process with it (no orphan). With --api-server-count 2
-three processes serve one port, and SIGTERM ends all of them with every client answered."""
+three processes serve one port (output constraints included: parsed by the API server, compiled
+by the engine process), and SIGTERM ends all of them with every client answered."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ FLAGS = geometry(16, 64)
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
 DEATH_BOUND_S = 5.0
 ENGINE_PROCESS = {"KVFLOW_ENGINE_PROCESS": "1"}
+COLOURS = {"choice": ["red", "green", "blue"]}
 
 
 def alive(pid: int) -> bool:
@@ -128,6 +130,13 @@ def test_api_server_count_2_serves_one_port_and_stops_together() -> None:
         assert codes == [200] * 6
         status, lines = sse_lines(server, {**LONG, "max_tokens": 4})
         assert status == 200 and lines[-1] == "data: [DONE]"
+        # output constraints: parsed by the API server, compiled by the engine process
+        chat = {"messages": [{"role": "user", "content": "Pick a colour."}], "max_tokens": 8}
+        picked = server.post("/v1/chat/completions", {**chat, "structured_outputs": COLOURS})
+        assert picked.status_code == 200, picked.text
+        assert picked.json()["choices"][0]["message"]["content"] in COLOURS["choice"]
+        bad = server.post("/v1/chat/completions", {**chat, "structured_outputs": {"regex": "("}})
+        assert bad.status_code == 400 and "cannot be compiled" in bad.text, bad.text
         started = threading.Event()
         streaming = in_background(lambda: stream_answer(server, started))
         wait_for(started.is_set, timeout=60)

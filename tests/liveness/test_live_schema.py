@@ -3,7 +3,7 @@ ones and invalid ones, for every operation: none gets a 5xx, and /health answers
 
 The server has a short context (--max-model-len 32) and a 1 s request timeout so that the
 generated completions stay cheap: a 408 is a terminal answer, not a server error. The number
-of examples per operation and mode is KVFLOW_SCHEMA_EXAMPLES (default 100: 200 requests for
+of examples per operation and mode is KVFLOW_SCHEMA_EXAMPLES (default 50: 100 requests for
 each operation that takes input)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis.errors import Unsatisfiable
 
 from support.live import MODEL, ServerProcess, geometry, serving
 
-EXAMPLES = int(os.environ.get("KVFLOW_SCHEMA_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("KVFLOW_SCHEMA_EXAMPLES", "50"))
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 
 

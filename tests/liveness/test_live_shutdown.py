@@ -2,7 +2,7 @@
 
 SIGTERM with the default --shutdown-timeout 0 while streaming and non-streaming requests run
 (official client and raw HTTP, completions and chat): every client gets a terminal answer and
-the process exits 0 within 2 s, in every one of KVFLOW_SHUTDOWN_TRIALS (20) trials. The next
+the process exits 0 within 2 s, in every one of KVFLOW_SHUTDOWN_TRIALS (8) trials. The next
 trial's server loads while the current one runs, to keep the suite short on 2 cores.
 With --shutdown-timeout 30: 503 at once for new requests, in-flight ones finish, then exit 0.
 A second signal exits at once. No child process survives, and the pid is gone.
@@ -36,7 +36,7 @@ from support.live import (
     wait_for,
 )
 
-TRIALS = int(os.environ.get("KVFLOW_SHUTDOWN_TRIALS", "20"))
+TRIALS = int(os.environ.get("KVFLOW_SHUTDOWN_TRIALS", "8"))
 EXIT_BOUND_S = 2.0
 FLAGS = geometry(16, 64)
 LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}

@@ -94,7 +94,6 @@ class AsyncEngine:
         self._pending_adds = 0
         self._latest = engine.stats()
         self._tracker = StatsTracker(self._latest)  # engine thread only
-        self._grammar_failures = 0  # engine thread only: the engine's count at the last pass
         self.history = StatsHistory()
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -210,10 +209,7 @@ class AsyncEngine:
 
     def validate_structured_outputs(self, so) -> None:
         """Raises ValueError naming what is wrong with an output constraint."""
-        grammar = self.engine.grammar
-        if grammar is None:
-            raise ValueError("Structured outputs are not available: no grammar backend.")
-        grammar.validate(so)
+        self.engine.validate_structured_outputs(so)
 
     def add_request(
         self,
@@ -404,10 +400,9 @@ class AsyncEngine:
         stats = self._tracker.iteration(
             self.engine.stats(), outputs, step_start, self.engine.core.last_step_tokens
         )
-        grammar_failures = self.engine.num_grammar_failures()
-        stats.num_grammar_failures = grammar_failures - self._grammar_failures
-        self._grammar_failures = grammar_failures
-        stats.grammar_compile_times = self.engine.pending_grammars.take_compile_times()
+        stats.grammar_compile_times = [
+            seconds for _, seconds in self.engine.pending_grammars.take_compile_times()
+        ]
         with self._cond:
             self._latest = stats.engine
             self._pending_adds -= adds

@@ -140,6 +140,7 @@ class StatsTracker:
             estimated_read_bytes=engine.estimated_read_bytes - prev.estimated_read_bytes,
             estimated_write_bytes=engine.estimated_write_bytes - prev.estimated_write_bytes,
             kv_events_dropped=engine.kv_events_dropped - prev.kv_events_dropped,
+            num_grammar_failures=engine.num_grammar_failures - prev.num_grammar_failures,
         )
         for output in outputs:
             self._observe(stats, output, now, now if step_start is None else step_start)

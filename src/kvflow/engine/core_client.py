@@ -244,6 +244,11 @@ class ProcessEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         return self.engine.validate(prompt_token_ids, params)
 
+    def validate_structured_outputs(self, so) -> None:
+        """Raises ValueError naming what is wrong with an output constraint (parsed here; the
+        engine process compiles it)."""
+        self.engine.validate_structured_outputs(so)
+
     def add_request(
         self,
         request_id: str,
@@ -389,6 +394,7 @@ class ProcessEngine:
             if stopped:
                 self.remote.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         stats = self._tracker.iteration(msg.stats, outputs, msg.step_start, msg.step_tokens)
+        stats.grammar_compile_times = msg.grammar_compile_times
         self.history.record(stats)
         if self.stat_logger is not None:
             try:

@@ -147,7 +147,11 @@ def load_frontend_tokenizer(path: str | os.PathLike[str], chat_template: str | N
 
 
 def frontend(ready: wire.Ready, core: object, tokenizer: Any) -> LLMEngine:
-    """The API side's LLMEngine: this process's tokenizer and output processor over `core`."""
+    """The API side's LLMEngine: this process's tokenizer and output processor over `core`; it
+    validates output constraints, the engine process compiles them."""
+    from kvflow.structured.backend import ConstraintValidator
+
+    so = ready.structured_outputs
     return LLMEngine(
         ready.config,
         None,
@@ -157,6 +161,7 @@ def frontend(ready: wire.Ready, core: object, tokenizer: Any) -> LLMEngine:
         dtype_name=ready.dtype_name,
         device=ready.device,
         generation_eos_ids=frozenset(ready.generation_eos_ids),
+        grammar=None if so is None else ConstraintValidator(so),
         core=core,
     )
 

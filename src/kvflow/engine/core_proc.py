@@ -107,6 +107,9 @@ class EngineCoreProc:
             self.sock.poll()  # sleeps until a client sends something
         t1 = time.monotonic()
         outputs = self._apply_pending()
+        # constrained requests whose grammar compiled become schedulable; failed ones end
+        grammars = self.engine.pending_grammars
+        outputs += grammars.poll(self.core, block=not self.core.has_schedulable_work())
         t2 = time.monotonic()
         st.idle_s += t1 - t0
         st.apply_s += t2 - t1
@@ -150,7 +153,7 @@ class EngineCoreProc:
             for new in msg.requests:
                 self.owner[new.request_id] = identity
                 try:
-                    self.core.add_request(_request(new))
+                    self._add(_request(new))
                 except ValueError as exc:
                     outputs += _error_output(new.request_id, str(exc))
             self.clients[identity] = self.clients.get(identity, 0) + len(msg.requests)
@@ -166,6 +169,18 @@ class EngineCoreProc:
         elif isinstance(msg, wire.Shutdown):
             self._stopping = True
 
+    def _add(self, request: Request) -> None:
+        """Queue a core request; one with an output constraint waits (not schedulable) until
+        its grammar compiles here. Raises ValueError."""
+        so = request.sampling_params.structured_outputs
+        grammar = self.engine.grammar
+        if so is not None and grammar is None:
+            raise ValueError("Structured outputs are not available: no grammar backend.")
+        compiled = None if so is None else grammar.compile(so)
+        self.core.add_request(request)
+        if compiled is not None:
+            self.engine.pending_grammars.add(request, compiled)
+
     def _ready(self) -> wire.Ready:
         e = self.engine
         return wire.Ready(
@@ -177,6 +192,7 @@ class EngineCoreProc:
             dtype_name=e.dtype_name,
             device=e.device,
             pid=os.getpid(),
+            structured_outputs=None if e.grammar is None else e.grammar.config,
         )
 
     def _call(self, msg: wire.Utility) -> wire.UtilityResult:
@@ -198,17 +214,24 @@ class EngineCoreProc:
     def _publish(self, outputs: list, step_start: float | None) -> None:
         """Every client gets one Step per pass: its outputs and the engine's counters."""
         per_client: dict[bytes, list] = {identity: [] for identity in self.clients}
+        compiles: dict[bytes, list[float]] = {identity: [] for identity in self.clients}
         owner = self.owner
+        for req_id, seconds in self.engine.pending_grammars.take_compile_times():
+            if owner.get(req_id) in compiles:
+                compiles[owner[req_id]].append(seconds)
         for out in outputs:
             identity = owner.pop(out.req_id, None) if out.finish_reason else owner.get(out.req_id)
             if identity is not None and identity in per_client:
                 per_client[identity].append(out)
-        stats = self.core.stats()
+        stats = self.engine.stats()
         busy = self.core.has_unfinished_requests()
         tokens = self.core.last_step_tokens
         now = time.monotonic()
         for identity, outs in per_client.items():
-            step = wire.Step(outs, stats, step_start, tokens, busy, self.clients[identity], now)
+            step = wire.Step(
+                outs, stats, step_start, tokens, busy, self.clients[identity], now,
+                compiles[identity],
+            )  # fmt: skip
             self._send(identity, step)
 
     def _broadcast(self, msg: object) -> None:

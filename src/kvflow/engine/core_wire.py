@@ -23,6 +23,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.messages import EngineCoreOutput
 from kvflow.engine.engine_core import EngineStats
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured.config import StructuredOutputsConfig
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
@@ -76,6 +77,9 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     dtype_name: str
     device: str
     pid: int
+    # The engine's grammar backend's options (the API side validates with them; the engine
+    # compiles); None: structured outputs are not available.
+    structured_outputs: StructuredOutputsConfig | None = None
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):
@@ -90,6 +94,7 @@ class Step(msgspec.Struct, tag=True, array_like=True):
     busy: bool  # the engine has unfinished requests (of any client) after this pass
     adds_applied: int  # NewRequests of this client the engine has taken, in all
     sent_at: float  # time.monotonic() when sent: the next step starts right after
+    grammar_compile_times: list[float] = []  # this client's requests whose grammar got ready
 
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True):

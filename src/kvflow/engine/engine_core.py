@@ -59,6 +59,7 @@ class EngineStats:
     estimated_read_bytes: int = 0
     estimated_write_bytes: int = 0
     kv_events_dropped: int = 0  # KV-event batches the publisher's full queue dropped
+    num_grammar_failures: int = 0  # requests failed by their output constraint (LLMEngine's)
 
 
 class EngineCore:

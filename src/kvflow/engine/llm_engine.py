@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvflow.config import EngineConfig
@@ -18,7 +18,7 @@ from kvflow.engine.engine_core import EngineCore, EngineStats, KVEventSink, Runn
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.pending_grammars import PendingGrammars
 from kvflow.outputs import RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.structured.config import StructuredOutputsConfig
 
 logger = logging.getLogger("kvflow.engine")
@@ -99,8 +99,9 @@ class LLMEngine:
         kv_events: KVEventSink | None = None,
         core: EngineCore | None = None,
     ) -> None:
-        """`grammar`: the GrammarBackend that compiles output constraints (None: requests
-        with one are refused). `core`: the EngineCore to drive (default: one made over `runner`);
+        """`grammar`: what validates output constraints (None: requests with one are refused);
+        a GrammarBackend also compiles them here, a ConstraintValidator over a RemoteCore leaves
+        the compile to the engine process. `core`: the EngineCore to drive (default: one made over `runner`);
         an API server whose core runs in the engine process passes a `core_client.RemoteCore`."""
         self.config = config
         self.model_path = None  # the resolved model directory, set by the builder
@@ -163,9 +164,7 @@ class LLMEngine:
         if p == 0:
             raise ValueError("The prompt cannot be empty.")
         if params.structured_outputs is not None:
-            if self.grammar is None:
-                raise ValueError("Structured outputs are not available: no grammar backend.")
-            self.grammar.validate(params.structured_outputs)
+            self.validate_structured_outputs(params.structured_outputs)
         if params.logit_bias:
             vocab = len(self.tokenizer)
             if bad := [t for t in params.logit_bias if not 0 <= t < vocab]:
@@ -189,6 +188,12 @@ class LLMEngine:
             )
         return params
 
+    def validate_structured_outputs(self, so: StructuredOutputsParams) -> None:
+        """Raises ValueError naming what is wrong with an output constraint."""
+        if self.grammar is None:
+            raise ValueError("Structured outputs are not available: no grammar backend.")
+        self.grammar.validate(so)
+
     def add_request(
         self,
         request_id: str,
@@ -204,8 +209,9 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         compile = None
-        if params.structured_outputs is not None:
-            compile = self.grammar.compile(params.structured_outputs)
+        compiles_here = getattr(self.grammar, "compile", None)
+        if params.structured_outputs is not None and compiles_here is not None:
+            compile = compiles_here(params.structured_outputs)
             if compile.done() and compile.exception() is not None:
                 raise ValueError(str(compile.exception()))
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
@@ -262,7 +268,9 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
-        return self.core.stats()
+        """The core's counters with the output-constraint failures counted here (call it
+        where the core steps: in-process, or in the engine process)."""
+        return replace(self.core.stats(), num_grammar_failures=self.num_grammar_failures())
 
     def num_grammar_failures(self) -> int:
         """Requests failed by their output constraint so far: it did not compile, or it

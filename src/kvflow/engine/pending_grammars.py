@@ -32,7 +32,8 @@ class _Pending:
 class PendingGrammars:
     def __init__(self) -> None:
         self._pending: dict[str, _Pending] = {}
-        self.compile_times: list[float] = []  # per request: admission to grammar ready (s)
+        # (request id, seconds from admission to its grammar ready), until taken
+        self.compile_times: list[tuple[str, float]] = []
         self.num_failures = 0  # requests failed because their constraint did not compile
 
     def __len__(self) -> int:
@@ -80,9 +81,9 @@ class PendingGrammars:
             return False
         compiled, _, done_at = future.result()
         request.grammar = compiled
-        self.compile_times.append(max(0.0, done_at - added_at))
+        self.compile_times.append((request.request_id, max(0.0, done_at - added_at)))
         return True
 
-    def take_compile_times(self) -> list[float]:
+    def take_compile_times(self) -> list[tuple[str, float]]:
         times, self.compile_times = self.compile_times, []
         return times

@@ -4,6 +4,7 @@ engine thread with a cache keyed by the constraint.
 `validate` parses a constraint on the caller's thread (milliseconds) so that a bad one is the
 request's fault (ValueError, a 400) before anything is queued; `compile` returns a Future of the
 compiled grammar, made by a worker thread, shared by every request with the same constraint.
+`ConstraintValidator` is the validating half alone, for a process that only admits requests.
 """
 
 from __future__ import annotations
@@ -62,28 +63,14 @@ def _message(exc: Exception) -> str:
     return _XGR_PREFIX.sub("", text).strip() or type(exc).__name__
 
 
-class GrammarBackend:
-    """Owns the tokenizer info, the xgrammar compiler, the compile threads and the cache."""
+class ConstraintValidator:
+    """Parses output constraints to refuse bad ones before anything is queued; needs no
+    tokenizer (an API server over the engine process validates with one of these, and the
+    engine process compiles)."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        logits_vocab_size: int,
-        stop_token_ids: list[int],
-        config: StructuredOutputsConfig | None = None,
-        max_workers: int = 2,
-    ) -> None:
+    def __init__(self, config: StructuredOutputsConfig | None = None) -> None:
         self.config = config or StructuredOutputsConfig()
-        # The logits' size, not the tokenizer's: ids past the tokenizer's vocabulary (padding)
-        # are never allowed by a mask.
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=logits_vocab_size, stop_token_ids=stop_token_ids
-        )
-        self.vocab_size = logits_vocab_size
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_workers)
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvflow-grammar")
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._valid: OrderedDict[tuple, None] = OrderedDict()
 
     @property
@@ -129,6 +116,30 @@ class GrammarBackend:
             raise ValueError(
                 f"The output constraint ({label}) cannot be compiled: {_message(exc)}"
             ) from exc
+
+
+class GrammarBackend(ConstraintValidator):
+    """Validates, and owns the tokenizer info, the xgrammar compiler, the compile threads and
+    the cache of compiled grammars."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        logits_vocab_size: int,
+        stop_token_ids: list[int],
+        config: StructuredOutputsConfig | None = None,
+        max_workers: int = 2,
+    ) -> None:
+        super().__init__(config)
+        # The logits' size, not the tokenizer's: ids past the tokenizer's vocabulary (padding)
+        # are never allowed by a mask.
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=logits_vocab_size, stop_token_ids=stop_token_ids
+        )
+        self.vocab_size = logits_vocab_size
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_workers)
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvflow-grammar")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
 
     def compile(self, so: StructuredOutputsParams) -> Future:
         """A Future of `_compile`'s result for this constraint; a cached one when the same
