@@ -31,6 +31,7 @@ FIELDS = (
     "request_throughput",
     "output_throughput",
     "total_token_throughput",
+    "load_generator_cpu_s",
     *(f"{stat}_{m}_ms" for m in METRICS for stat in ("mean", "median", "std", "p90", "p99")),
 )
 
@@ -67,6 +68,7 @@ def test_small_load_reports_every_field(server_url: str, tmp_path: Path) -> None
     assert (result["max_concurrency"], result["input_len"], result["output_len"]) == (3, 16, 8)
     assert result["duration"] > 0 and result["output_throughput"] > 0
     assert result["total_token_throughput"] > result["output_throughput"]
+    assert 0 < result["load_generator_cpu_s"] < 60
     for metric in METRICS:
         assert result[f"mean_{metric}_ms"] > 0
         assert result[f"median_{metric}_ms"] <= result[f"p99_{metric}_ms"]

@@ -158,7 +158,7 @@ def test_queue_limit_counts_adds_the_engine_has_not_taken(process) -> None:
         ids = client.engine.tokenize_prompt(PROMPT)
         streams = [client.add_request(f"q{i}", ids, params) for i in range(8)]
         streams.append(client.add_request("q8", ids, params))  # waits: one over
-        from kvflow.engine.async_llm import EngineUnavailableError
+        from kvflow.engine.engine_client import EngineUnavailableError
 
         with pytest.raises(EngineUnavailableError, match="queue is full"):
             client.add_request("q9", ids, params)

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavailableError
+from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.async_stats import IterationStats
+from kvflow.engine.engine_client import EngineDeadError, EngineUnavailableError
 from kvflow.sampling_params import SamplingParams
 from support.fake_engine import SlowRunner, make_llm_engine
 

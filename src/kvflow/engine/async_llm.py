@@ -20,11 +20,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvflow.engine.async_stats import StatLogger, StatsTracker, StepWatchdog
+from kvflow.engine.engine_client import EngineClient, EngineDeadError, EngineUnavailableError
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.request_stream import RequestStream, terminal_output
@@ -33,18 +34,6 @@ from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.engine")
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine admits no new request now (shutting down, or the queue is full)."""
-
-    def __init__(self, message: str, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; nothing more can run."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +65,7 @@ class _Call:
     future: asyncio.Future
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(
         self,
         engine: LLMEngine,
@@ -84,6 +73,7 @@ class AsyncEngine:
         max_num_queued_reqs: int | None = None,
         watchdog_timeout: float = 0.0,
     ) -> None:
+        super().__init__()
         self.engine = engine
         self.stat_logger = stat_logger
         self.max_num_queued_reqs = max_num_queued_reqs
@@ -95,14 +85,10 @@ class AsyncEngine:
         self._latest = engine.stats()
         self._tracker = StatsTracker(self._latest)  # engine thread only
         self.history = StatsHistory()
-        self._streams: dict[str, RequestStream] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._watchdog: StepWatchdog | None = None
         self._accepting = True
-        self.num_admission_rejections = 0  # --max-num-queued-reqs refusals (event loop only)
-        self.dead_error: str | None = None
-        self._released = asyncio.Event()
         self._dead = asyncio.Event()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -194,22 +180,10 @@ class AsyncEngine:
                 raise EngineUnavailableError(f"The engine is busy in a step ({exc}).") from exc
         return LiveSnapshot(engine, self.history.series(history_s), self.is_healthy)
 
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._streams)
-
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     # ---- requests ----------------------------------------------------------------------------
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Raises ValueError (vLLM's wording) for a request that could never be served."""
-        return self.engine.validate(prompt_token_ids, params)
-
-    def validate_structured_outputs(self, so) -> None:
-        """Raises ValueError naming what is wrong with an output constraint."""
-        self.engine.validate_structured_outputs(so)
 
     def add_request(
         self,
@@ -220,46 +194,15 @@ class AsyncEngine:
     ) -> RequestStream:
         """Validate and queue a request. Raises ValueError, EngineUnavailableError or
         EngineDeadError before anything is queued."""
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
-        if not self._accepting or self._loop is None:
-            raise EngineUnavailableError("The server is shutting down.")
-        params = self.engine.validate(prompt_token_ids, params)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        with self._cond:
-            limit = self.max_num_queued_reqs
-            if limit is not None and self._num_queued(adding=1) > limit:
-                self.num_admission_rejections += 1
-                raise EngineUnavailableError(
-                    f"The request queue is full ({limit} requests waiting, "
-                    "--max-num-queued-reqs). Retry later.",
-                    retry_after=1,
-                )
+        params = self._admit(request_id, prompt_token_ids, params)
+        with self._cond:  # the engine thread moves _pending_adds and the stats _num_queued reads
+            self._check_queue()
             self._pending_adds += 1
             self._inbox.append(
                 _Add(request_id, list(prompt_token_ids), params, prompt, time.monotonic())
             )
             self._cond.notify()
-        stream = RequestStream(request_id, params.n, self._release)
-        self._streams[request_id] = stream
-        self._released.clear()
-        return stream
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request; closing or cancelling the iteration aborts it."""
-        stream = self.add_request(request_id, prompt_token_ids, params, prompt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.abort()
+        return self._open_stream(request_id, params.n)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from outside its consumer, which then reads a terminal output
@@ -271,10 +214,6 @@ class AsyncEngine:
             self._post(_Abort([request_id]))
         else:
             stream.put(terminal_output(request_id, stream.n, "abort"))
-
-    def request_ids(self) -> list[str]:
-        """Requests whose consumer has not yet read their terminal output."""
-        return list(self._streams)
 
     async def call_utility(self, method: str, *args: Any, type: Any = None) -> Any:
         """Run `method(*args)` of the LLMEngine (else of its EngineCore) on the engine thread
@@ -292,6 +231,9 @@ class AsyncEngine:
             self._post(_Abort([request_id]))
         if not self._streams:
             self._released.set()
+
+    def _accepting_now(self) -> bool:
+        return self._accepting and self._loop is not None
 
     def _num_queued(self, adding: int) -> int:
         """Waiting requests once `adding` more arrive: adds the engine has not seen yet wait

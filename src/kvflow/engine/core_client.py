@@ -23,7 +23,6 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -32,9 +31,9 @@ import zmq.asyncio
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.snapshot import EngineSnapshot
 from kvflow.engine import core_wire as wire
-from kvflow.engine.async_llm import EngineDeadError, EngineUnavailableError
 from kvflow.engine.async_stats import StatLogger, StatsTracker
 from kvflow.engine.core_launch import EngineProcess, stop_process
+from kvflow.engine.engine_client import EngineClient, EngineDeadError
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.request_stream import RequestStream, terminal_output
@@ -85,7 +84,7 @@ class RemoteCore:
         return self.latest
 
 
-class ProcessEngine:
+class ProcessEngine(EngineClient):
     """AsyncEngine's public interface (add_request, generate, abort, shutdown, close, stats,
     is_healthy, accepting, stalled, wait_dead, call_utility) over an EngineProcess."""
 
@@ -99,12 +98,12 @@ class ProcessEngine:
         identity: bytes = b"api-0",
         owns_process: bool = True,
     ) -> None:
+        super().__init__()
         self.engine = engine
         self.process = process
         self.remote: RemoteCore = engine.core  # type: ignore[assignment]
         self.stat_logger = stat_logger
         self.history = StatsHistory()  # per-second stats for the live view
-        self.num_admission_rejections = 0  # --max-num-queued-reqs refusals (event loop only)
         self.max_num_queued_reqs = max_num_queued_reqs
         self.watchdog_timeout = watchdog_timeout
         self.identity = identity
@@ -113,7 +112,6 @@ class ProcessEngine:
         self._latest = _zero_stats()
         self.remote.latest = self._latest
         self._tracker = StatsTracker(self._latest)
-        self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._accepting = True
@@ -122,13 +120,11 @@ class ProcessEngine:
         self._busy = False
         self._heard = time.monotonic()
         self._adds_applied = 0
-        self.dead_error: str | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
         self._pidfd: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._released = asyncio.Event()
         self._dead = asyncio.Event()
         self._bye = asyncio.Event()
 
@@ -232,22 +228,7 @@ class ProcessEngine:
     def stats(self) -> EngineStats:
         return self._latest
 
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._streams)
-
-    def request_ids(self) -> list[str]:
-        return list(self._streams)
-
     # ---- requests ----------------------------------------------------------------------------
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        return self.engine.validate(prompt_token_ids, params)
-
-    def validate_structured_outputs(self, so) -> None:
-        """Raises ValueError naming what is wrong with an output constraint (parsed here; the
-        engine process compiles it)."""
-        self.engine.validate_structured_outputs(so)
 
     def add_request(
         self,
@@ -258,46 +239,15 @@ class ProcessEngine:
     ) -> RequestStream:
         """Validate and send a request. Raises ValueError, EngineUnavailableError or
         EngineDeadError before anything is sent."""
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
-        if not self._accepting or not self._started:
-            raise EngineUnavailableError("The server is shutting down.")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = self.engine.validate(prompt_token_ids, params)
-        limit = self.max_num_queued_reqs
-        if limit is not None and self._num_queued(adding=1) > limit:
-            self.num_admission_rejections += 1
-            raise EngineUnavailableError(
-                f"The request queue is full ({limit} requests waiting, "
-                "--max-num-queued-reqs). Retry later.",
-                retry_after=1,
-            )
+        params = self._admit(request_id, prompt_token_ids, params)
+        self._check_queue()
         if not self._busy:
             self._busy, self._heard = True, time.monotonic()
         self.engine.add_request(request_id, prompt_token_ids, params, prompt)
         self._tracker.arrive(
             request_id, params.n, len(prompt_token_ids), time.monotonic(), params.max_tokens
         )
-        stream = RequestStream(request_id, params.n, self._release)
-        self._streams[request_id] = stream
-        self._released.clear()
-        return stream
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request; closing or cancelling the iteration aborts it."""
-        stream = self.add_request(request_id, prompt_token_ids, params, prompt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.abort()
+        return self._open_stream(request_id, params.n)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from outside its consumer, which then reads a terminal output."""
@@ -334,6 +284,9 @@ class ProcessEngine:
             self.engine.abort_request([request_id])
         if not self._streams:
             self._released.set()
+
+    def _accepting_now(self) -> bool:
+        return self._accepting and self._started
 
     def _num_queued(self, adding: int) -> int:
         """As AsyncEngine's: waiting requests once `adding` more arrive, counting the adds the

@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavailableError
+from kvflow.engine.async_llm import AsyncEngine
+from kvflow.engine.engine_client import EngineDeadError, EngineUnavailableError
 from kvflow.engine.request_stream import RequestStream
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
