@@ -3,7 +3,8 @@ core in a child process). Killing the engine process is engine death: every clie
 terminal answer, /health answers 503, the server exits 1 within 5 s and leaves no process.
 Killing the API server takes the engine process with it (no orphan). With --api-server-count 2
 three processes serve one port (output constraints included: parsed by the API server, compiled
-by the engine process), and SIGTERM ends all of them with every client answered."""
+by the engine process; a client that leaves frees its blocks within 1 s), and SIGTERM ends all
+of them with every client answered."""
 
 from __future__ import annotations
 
@@ -137,6 +138,17 @@ def test_api_server_count_2_serves_one_port_and_stops_together() -> None:
         assert picked.json()["choices"][0]["message"]["content"] in COLOURS["choice"]
         bad = server.post("/v1/chat/completions", {**chat, "structured_outputs": {"regex": "("}})
         assert bad.status_code == 400 and "cannot be compiled" in bad.text, bad.text
+        # a client leaving mid-stream: the abort crosses and its blocks are free within 1 s
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, timeout=60
+        ) as resp:
+            lines = resp.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            wait_for(lambda: server.gauge("vllm:num_requests_running") == 1, timeout=30)
+        left = time.monotonic()
+        wait_for(server.idle, timeout=5.0, interval=0.02)
+        freed = time.monotonic() - left
         started = threading.Event()
         streaming = in_background(lambda: stream_answer(server, started))
         wait_for(started.is_set, timeout=60)
@@ -145,7 +157,9 @@ def test_api_server_count_2_serves_one_port_and_stops_together() -> None:
         exited = time.monotonic() - sent
         streaming[0].join(10)
     answer = streaming[1].get("value", "")
-    print(f"  --api-server-count 2: SIGTERM -> exit {code} in {exited:.2f} s; stream: {answer}")
+    print(f"  --api-server-count 2: a left stream freed in {freed:.2f} s; SIGTERM -> exit {code}")
+    print(f"  in {exited:.2f} s; stream: {answer}")
     assert code == 0 and exited < 10
+    assert freed < 1.0, f"a disconnected stream's blocks were freed after {freed:.2f} s"
     assert answer.startswith("200 error event data: [DONE]"), answer
     assert not [k for k in kids if alive(k)]
