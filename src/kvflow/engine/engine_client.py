@@ -30,9 +30,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    """A subclass sets `engine` (the LLMEngine whose tokenizer and validation it uses),
-    `max_num_queued_reqs`, and implements `add_request`, `_accepting_now`, `_num_queued`
-    and `_release`."""
+    """A subclass sets `engine` (the LLMEngine whose tokenizer and validation it uses) and
+    `max_num_queued_reqs`, and implements `add_request(request_id, prompt_token_ids, params,
+    prompt) -> RequestStream` (with `_admit`, `_check_queue`, `_open_stream`),
+    `_accepting_now`, `_num_queued` and `_release`."""
 
     engine: LLMEngine
     max_num_queued_reqs: int | None
@@ -42,15 +43,6 @@ class EngineClient:
         self.num_admission_rejections = 0  # --max-num-queued-reqs refusals
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._released = asyncio.Event()  # no live request
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> RequestStream:
-        raise NotImplementedError
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises ValueError (vLLM's wording) for a request that could never be served."""
