@@ -47,8 +47,14 @@ def _library() -> ctypes.CDLL | None:
     for name in ("kvflow_q_linear", "kvflow_q_linear_f32"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
+    lib.kvflow_q_linear_amx.restype = num
+    lib.kvflow_q_linear_amx_values.restype = num
+    lib.kvflow_q_linear_amx_values.argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
+    lib.kvflow_q_linear_amx.argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
     lib.kvflow_q_dequant.restype = None
     lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 2 + [ptr] + [num] * 3
+    lib.kvflow_q_amx_init.restype = num
+    lib.amx = bool(lib.kvflow_q_amx_init())  # tile state granted: the AMX path may run
     return lib
 
 
@@ -57,18 +63,35 @@ def native_available() -> bool:
     return _library() is not None
 
 
+def amx_available() -> bool:
+    """Whether the AMX small-batch kernel may run (built, the CPU has AMX, the OS granted it)."""
+    lib = _library()
+    return lib is not None and lib.amx
+
+
+def amx_applies(weight: QuantizedWeight) -> bool:
+    """Whether the AMX kernel takes this weight's layout (groups of 16 or of 32 columns' multiples)."""
+    return weight.group == 16 or weight.group % 32 == 0
+
+
 def kernel_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, amx: bool = False
 ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) -> [M, N] by the native kernel, reading the codes in place;
-    x, bias and the result all bf16 (float32 sums rounded once) or all float32."""
+    x, bias and the result all bf16 (float32 sums rounded once) or all float32. `amx`: the AMX
+    kernel (bf16 only; check `amx_available()` and `amx_applies` first)."""
     lib = _library()
     assert lib is not None, "check native_available() first"
     x = x.contiguous()
     rows = x.shape[0]
     out = torch.empty(rows, weight.out_features, dtype=x.dtype)
     kernel = lib.kvflow_q_linear_f32 if x.dtype == torch.float32 else lib.kvflow_q_linear
-    kernel(
+    if amx:
+        assert x.dtype == torch.bfloat16 and lib.amx and amx_applies(weight)
+        kernel = lib.kvflow_q_linear_amx
+        if amx == "values":
+            kernel = lib.kvflow_q_linear_amx_values
+    done = kernel(
         x.data_ptr(),
         weight.codes.data_ptr(),
         weight.scales.data_ptr(),
@@ -81,6 +104,8 @@ def kernel_linear(
         weight.out_features,
         weight.in_features,
     )
+    if amx and not done:
+        raise RuntimeError("the AMX quantized kernel refused its arguments")
     return out
 
 
