@@ -2,7 +2,7 @@
 (`--quantization gguf`) against the same weights dequantized to bf16 (`none`), side by side.
 
 Per method: the median engine step (decode only, one request), the part of it spent in the
-native kernels (every ctypes call of kernels/cpu and quant_kernels, timed around the call) and
+native kernels (every ctypes call of kernels/cpu, timed around the call) and
 the rest (Python: the model's modules, the runner, the scheduler, the sampler), the weight bytes
 a step reads, and those bytes over the step time against the machine's copy bandwidth measured
 in the same run.
@@ -25,13 +25,13 @@ import torch  # noqa: E402
 
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.kernels.cpu import attention, linear, ops  # noqa: E402
-from kvflow.model import quant_kernels  # noqa: E402
+from kvflow.kernels.cpu import quant  # noqa: E402
 
 NATIVE = {
     linear: ["bf16_linear"],
     attention: ["paged_attention"],
     ops: ["rms_norm", "rotary_", "silu_mul"],
-    quant_kernels: ["kernel_linear", "dequantize"],
+    quant: ["linear", "linear_amx", "dequantize"],
 }
 
 
@@ -83,9 +83,9 @@ def weight_bytes(llm: LLM) -> int:
     model = llm.engine.core.runner.model
     total = 0
     for module in model.modules():
-        quant = getattr(module, "quant", None)
-        if quant is not None and hasattr(module, "in_features"):
-            total += quant.nbytes
+        weight = getattr(module, "quant", None)
+        if weight is not None and hasattr(module, "in_features"):
+            total += weight.nbytes
         elif getattr(module, "native", None) is not None:
             total += module.native.numel() * module.native.element_size()
     head = getattr(model, "head_quant", None)

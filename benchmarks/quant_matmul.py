@@ -1,6 +1,6 @@
 """Linear layers of the embedded model's shapes at decode batch sizes: the bf16 kernel on packed
-weights against the quantized kernels (float32 widening, AMX on exact codes, dequantize then
-bf16), side by side in one run.
+weights against the quantized kernels (float32 widening, AMX-INT8, dequantize then torch's bf16
+matmul), side by side in one run.
 
 Each cell is the best of `--calls` calls (microseconds), the kernels alternated per shape and row
 count so that drift shows in all of them. Weights are random blocks of the given GGUF type (or
@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "model"))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from test_quant_kernels import gguf_tensor  # noqa: E402
 
-from kvflow.kernels.cpu import linear  # noqa: E402
+from kvflow.kernels.cpu import linear, quant  # noqa: E402
 from kvflow.model import quant_kernels  # noqa: E402
 from kvflow.model.quant_format import (  # noqa: E402
     QuantizedWeight,
@@ -63,18 +64,10 @@ def kernels(weights: list[QuantizedWeight], packed: list[torch.Tensor], n: int):
     out = {
         "bf16": lambda x, i: linear.bf16_linear(x, packed[i], None, n),
         "float32 widen": lambda x, i: quant_kernels.kernel_linear(x, weights[i], None),
-        "dequant+bf16": lambda x, i: linear.bf16_linear(
-            x,
-            linear.pack_linear_weight(quant_kernels.dequantize(weights[i], torch.bfloat16)),
-            None,
-            n,
-        ),
+        "dequant+bf16": lambda x, i: F.linear(x, quant_kernels.dequantize(weights[i], x.dtype)),
     }
-    if quant_kernels.amx_available():
-        out["amx codes"] = lambda x, i: quant_kernels.kernel_linear(x, weights[i], None, amx=True)
-        out["amx values"] = lambda x, i: quant_kernels.kernel_linear(
-            x, weights[i], None, amx="values"
-        )
+    if quant.amx_available():
+        out["amx int8"] = lambda x, i: quant_kernels.kernel_linear(x, weights[i], None, amx=True)
     return out
 
 
@@ -101,7 +94,9 @@ def main() -> int:
             print(f"\n{kind} {shape} {n}x{k}\n| rows | " + " | ".join(table) + " |")
             for m in rows:
                 x = torch.randn(m, k).bfloat16()
-                cells = [best_us(lambda i, f=f: f(x, i), args.calls, copies) for f in table.values()]
+                cells = [
+                    best_us(lambda i, f=f, x=x: f(x, i), args.calls, copies) for f in table.values()
+                ]
                 print(f"| {m} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
     return 0
 

@@ -1,8 +1,10 @@
 /* kvflow's linear layers on quantized weights, read as they are stored:
  *
- *   kvflow_q_linear   y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 x and y, w quantized
- *                     (kvflow_q_linear_f32: float32 x and y)
- *   kvflow_q_dequant  w[N, K] -> bf16 (prefill: a large batch runs the bf16 matmul on it)
+ *   kvflow_q_linear      y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 x and y, w quantized
+ *                        (kvflow_q_linear_f32: float32 x and y); codes widened in registers
+ *   kvflow_q_linear_amx  the same on AMX-INT8 tiles, activations quantized to int8 per 32
+ *                        columns (below; returns 0 where the CPU or OS has no AMX)
+ *   kvflow_q_dequant     w[N, K] -> bf16 (prefill: a large batch runs the bf16 matmul on it)
  *
  * The weight layout (made once by kvflow/model/quant_format.py from GGUF blocks or a float
  * checkpoint): K is cut in groups of `group` columns (a multiple of 16; K a multiple of 32);
@@ -227,19 +229,20 @@ void kvflow_q_dequant(const uint8_t *codes, const float *scales, const float *mi
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-/* Small batches on AMX (kvflow_q_linear_amx), the codes kept exact: every code (|code| <= 128)
- * is a bf16 integer, so a weight tile of 16 output rows x 32 columns of codes, made in a
- * thread's buffer, multiplies bf16 activations on the bf16 tile unit with exact products and
- * float32 sums. The tile unit sums over k; the scale and min of a group apply afterwards:
- *   y[m, n] = sum_g (scale[n, g] * sum_{k in g} code[n, k] x[m, k] + min[n, g] * xsum[m, g])
- * one tile operation per 32 columns and one scaling pass per group (per 16 columns for groups
- * of 16, once per row for one group a row, as int8's per-channel scales). The weights are the
- * tile's rows (A) and the activations its columns (B, as pairs of k), so a tile of output is
- * 16 weight rows x 16 activation rows and a weight tile serves up to 32 activation rows (two
- * accumulator tiles) before the next is made: what the float32 path cannot, as it pays the
- * multiply-adds per activation row. Linux grants the tile state on request (arch_prctl), once
- * per process: kvflow_q_amx_init asks and says whether it may run. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+/* Batches on AMX's int8 unit (kvflow_q_linear_amx). The codes are the tiles (16 weight rows x 32
+ * columns; 8-bit codes as stored, 4-bit ones unpacked to a byte each per tile of 16 rows), the
+ * activations are quantized to int8 with one float32 scale per activation row and 32 columns
+ * (max |x| -> 127, as llama.cpp's Q8 blocks), and
+ *   y[m, n] = sum_b scale[n, g(b)] * dx[m, b] * sum_{k in b} code[n, k] xq[m, k]
+ *             (+ sum_g min[n, g] * xsum[m, g], xsum of the bf16 activations, when there are mins)
+ * over 32-column blocks b (16-column pieces for groups of 16). The tile unit computes the int32
+ * sums of a 16 x 16 output tile (weight rows x activation rows) a block at a time, up to 32
+ * activation rows per weight tile; the scaling is float32 vector work per block, which the tile
+ * unit overlaps (two pairs of accumulator tiles in turn). The weights are read once a call,
+ * ahead of use (software prefetch: the conversion otherwise waits on memory), which is what
+ * bounds the step up to 16-32 rows. Linux grants the tile state on request (arch_prctl), once per
+ * process: kvflow_q_amx_init asks and says whether the kernel may run. */
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -256,44 +259,7 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* bf16 bit patterns of the integers 0..15 (a 4-bit code's value), indexed by a word's low five
- * bits: entry i is bf16(i & 15), so a byte holding two codes indexes its low one directly. */
-static const uint16_t BF16_NIBBLE[32] = {
-    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
-    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
-    0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-
-/* Columns c .. c + 31 of one weight row's codes as 32 bf16 integers, in column order. */
-static inline __m512i codes_bf16(const uint8_t *row, int bits, int c, __m512i nibble) {
-    if (bits == 4) {
-        __m512i w = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(
-            _mm_loadu_si128((const __m128i *)(row + c / 2)))); /* words 0..15: the bytes */
-        w = _mm512_mask_mov_epi16(w, 0xffff0000u, _mm512_srli_epi16(
-            _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 1, 0, 3, 2, 1, 0), w), 4));
-        return _mm512_permutexvar_epi16(w, nibble);
-    }
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c))));
-    __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c + 16))));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
-/* Columns c .. c + 63 (two 32-column blocks) of a row of 4-bit codes: the bytes widen to words
- * once, each word's low and high code look up their bf16 value, and two-source permutes put
- * each block's 16 low and 16 high codes side by side (columns c + i and c + 16 + i). */
-static inline void codes_bf16_x2(const uint8_t *row, int c, __m512i nibble, __m512i *b0,
-                                 __m512i *b1) {
-    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + c / 2)));
-    __m512i lo = _mm512_permutexvar_epi16(w, nibble);
-    __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), nibble);
-    const __m512i first = _mm512_set_epi16(47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35,
-                                           34, 33, 32, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
-                                           3, 2, 1, 0);
-    *b0 = _mm512_permutex2var_epi16(lo, first, hi);
-    *b1 = _mm512_permutex2var_epi16(lo, _mm512_add_epi16(first, _mm512_set1_epi16(16)), hi);
-}
-
-/* Byte ranges to bring into the cache a line at a time while the current tile converts: the
+/* Byte ranges to bring into the cache a line at a time while the current tile computes: the
  * next tile's codes, scales and mins (the hardware prefetcher, left alone, leaves the conversion
  * waiting on memory for most of its time). */
 struct ahead {
@@ -310,239 +276,214 @@ static inline void prefetch_line(struct ahead *p) {
         }
 }
 
-/* Rows n0 .. n0 + rows - 1 of the codes as A tiles: a[K / 32][16][32] bf16, rows past `rows`
- * zero. */
-static void code_tiles(const uint8_t *codes, long row_bytes, int bits, int rows, int K,
-                       uint16_t *a, struct ahead *next) {
-    __m512i nibble = _mm512_loadu_si512(BF16_NIBBLE);
-    for (int r = 0; r < 16; r++) {
-        const uint8_t *row = codes + r * row_bytes;
-        int c = 0;
-        if (r < rows && bits == 4)
-            for (; c + 64 <= K; c += 64) {
-                __m512i b0, b1;
-                codes_bf16_x2(row, c, nibble, &b0, &b1);
-                _mm512_store_si512(a + ((long)(c / 32) * 16 + r) * 32, b0);
-                _mm512_store_si512(a + ((long)(c / 32 + 1) * 16 + r) * 32, b1);
-                prefetch_line(next);
-                prefetch_line(next);
-            }
-        for (; c < K; c += 32) {
-            __m512i v = r < rows ? codes_bf16(row, bits, c, nibble) : _mm512_setzero_si512();
-            _mm512_store_si512(a + ((long)(c / 32) * 16 + r) * 32, v);
-            prefetch_line(next);
-        }
-    }
-}
-
-/* x [M, K] bf16 -> B tiles xt[M / 16][K / 2][16][2] (pairs of k per activation row; rows past
- * M zero) and xs[M / 16][groups][16]: each activation row's float sum over each group. */
-static void activation_tiles(const uint16_t *x, int M, int K, int group, uint32_t *xt,
-                             float *xs) {
-    int chunks = (M + 15) / 16, groups = K / group;
-    memset(xt, 0, (size_t)chunks * K * 32);
-    memset(xs, 0, (size_t)chunks * groups * 16 * sizeof(float));
-    for (int m = 0; m < M; m++) {
-        const uint16_t *row = x + (long)m * K;
-        uint32_t *t = xt + (long)(m / 16) * (K / 2) * 16 + m % 16;
-        float *s = xs + (long)(m / 16) * groups * 16 + m % 16;
-        for (int kp = 0; kp < K / 2; kp++) memcpy(t + kp * 16, row + 2 * kp, 4);
-        for (int k = 0; k < K; k++) s[(k / group) * 16] += bf16_to_float(row[k]);
-    }
-}
-
-/* acc[r] += scale[r] * tile row r + min[r] * xsum (a group's pass; rows past `rows` skip). */
-static inline void scale_pass(const float cbuf[16][16], const float *sc, const float *mn,
-                              long groups, int g, int rows, const float *xsum, v16f acc[16]) {
-    v16f xv = vload(xsum);
-    for (int r = 0; r < rows; r++)
-        acc[r] += sc[r * groups + g] * vload(cbuf[r]) + mn[r * groups + g] * xv;
-}
-
-/* Output rows c * 16 .. of the tile (columns n0 .. n0 + rows - 1): acc + bias, rounded. */
+/* Output rows c * 16 .. of the tile (columns n0 .. n0 + rows - 1): acc + bias, rounded. acc is
+ * [weight row][activation row]; a gather reads one activation row's 16 outputs across it, so
+ * y's rows take one 32-byte store each (scalar stores across y's rows cost more than the
+ * products when N is large, as for the logits head). */
 static void store_tile(const v16f acc[16], int rows, int mrows, const uint16_t *bias,
                        uint16_t *y, int N, int n0) {
-    for (int r = 0; r < rows; r++) {
-        float b = bias ? bf16_to_float(bias[n0 + r]) : 0.0f;
-        for (int m = 0; m < mrows; m++) y[(long)m * N + n0 + r] = float_to_bf16(acc[r][m] + b);
+    __mmask16 keep = (__mmask16)((1u << rows) - 1u);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
+    __m512i across = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    for (int m = 0; m < mrows; m++) {
+        __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(across, _mm512_set1_epi32(m)),
+                                       (const float *)acc, 4);
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(v, b));
+        _mm256_mask_storeu_epi16(y + (long)m * N + n0, keep, (__m256i)h);
     }
 }
 
-/* Group g's tile products into accumulator tiles C0 (activation chunk c) and C1 (c + 1). */
-#define GROUP_PRODUCTS(C0, C1)                                                                 \
+/* x [M, K] bf16 -> xq[M / 16][K / 4][16][4] int8 (quads of k per activation row, rows past M
+ * zero) and dx[M / 16][K / 32][16]: max |x| / 127 of each row's 32-column blocks. */
+static void quantize_rows(const uint16_t *x, int M, int K, int8_t *xq, float *dx) {
+    int chunks = (M + 15) / 16, blocks = K / 32;
+    memset(xq, 0, (size_t)chunks * K * 16);
+    memset(dx, 0, (size_t)chunks * blocks * 16 * sizeof(float));
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < blocks; b++) {
+            const uint16_t *at = x + (long)m * K + b * 32;
+            v16f lo = (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(
+                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+            v16f hi = (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(
+                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps((__m512)lo),
+                                                            _mm512_abs_ps((__m512)hi)));
+            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(lo * inv)));
+            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(hi * inv)));
+            uint32_t quads[8];
+            memcpy(quads, &q0, 16);
+            memcpy(quads + 4, &q1, 16);
+            int8_t *to = xq + ((long)(m / 16) * (K / 4) + b * 8) * 64 + (m % 16) * 4;
+            for (int i = 0; i < 8; i++) memcpy(to + i * 64, &quads[i], 4);
+            dx[((long)(m / 16) * blocks + b) * 16 + m % 16] = d;
+        }
+}
+
+/* Each activation row's float sum over each group: xs[M / 16][groups][16] (rows past M zero). */
+static void group_sums(const uint16_t *x, int M, int K, int group, float *xs) {
+    int chunks = (M + 15) / 16, groups = K / group;
+    memset(xs, 0, (size_t)chunks * groups * 16 * sizeof(float));
+    for (int m = 0; m < M; m++) {
+        float *s = xs + (long)(m / 16) * groups * 16 + m % 16;
+        for (int k = 0; k < K; k++) s[(k / group) * 16] += bf16_to_float(x[(long)m * K + k]);
+    }
+}
+
+struct amx_args {
+    const int8_t *xq;
+    const float *dx, *xs, *sc, *mn;
+    int group, K, M, c, two, rows, nibbles; /* nibbles: unsigned 4-bit codes, else int8 */
+};
+
+/* acc[r] += scale[r, g] * dx (a block's row of int32 sums, converted) (+ min[r, g] * xsum when
+ * the piece starts group g). */
+static inline void scale_block(const int32_t cbuf[16][16], const struct amx_args *p, int h, int k,
+                          v16f acc[16]) {
+    int groups = p->K / p->group, g = k / p->group, ch = p->c + h;
+    v16f dxv = vload(p->dx + ((long)ch * (p->K / 32) + k / 32) * 16);
+    for (int r = 0; r < p->rows; r++) {
+        v16f v = (v16f)_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[r]));
+        acc[r] += (p->sc[r * groups + g] * dxv) * v;
+    }
+    if (p->mn != NULL && k % p->group == 0) {
+        v16f xv = vload(p->xs + ((long)ch * groups + g) * 16);
+        for (int r = 0; r < p->rows; r++) acc[r] += p->mn[r * groups + g] * xv;
+    }
+}
+
+#define PIECE_PRODUCTS(C0, C1)                                                                 \
     do {                                                                                       \
         _tile_zero(C0);                                                                        \
         _tile_zero(C1);                                                                        \
-        for (int k = g * group; k < (g + 1) * group; k += kb) {                                \
-            _tile_loadd(2, a + (k / 32) * 16 * 32 + k % 32, 64);                               \
-            _tile_loadd(3, b0 + (k / 2) * 16, 64);                                             \
-            _tile_dpbf16ps(C0, 2, 3);                                                          \
-            if (two) {                                                                         \
-                _tile_loadd(4, b1 + (k / 2) * 16, 64);                                         \
-                _tile_dpbf16ps(C1, 2, 4);                                                      \
-            }                                                                                  \
+        _tile_loadd(2, a + k, lda);                                                            \
+        _tile_loadd(3, b0 + (k / 4) * 64, 64);                                                 \
+        if (p->nibbles) _tile_dpbusd(C0, 2, 3);                                                \
+        else _tile_dpbssd(C0, 2, 3);                                                           \
+        if (p->two) {                                                                          \
+            _tile_loadd(4, b1 + (k / 4) * 64, 64);                                             \
+            if (p->nibbles) _tile_dpbusd(C1, 2, 4);                                            \
+            else _tile_dpbssd(C1, 2, 4);                                                       \
         }                                                                                      \
     } while (0)
 
-/* Group G's sums out of tiles C0, C1, scaled into the float32 accumulators. */
-#define GROUP_SCALE(C0, C1, G)                                                                 \
+#define PIECE_SCALE(C0, C1, K0)                                                                \
     do {                                                                                       \
         _tile_stored(C0, cbuf, 64);                                                            \
-        scale_pass(cbuf, sc, mn, groups, G, rows, xs + ((long)c * groups + G) * 16, acc[0]);   \
-        if (two) {                                                                             \
+        scale_block(cbuf, p, 0, K0, acc[0]);                                                        \
+        if (p->two) {                                                                          \
             _tile_stored(C1, cbuf, 64);                                                        \
-            scale_pass(cbuf, sc, mn, groups, G, rows, xs + ((long)(c + 1) * groups + G) * 16,  \
-                       acc[1]);                                                                \
+            scale_block(cbuf, p, 1, K0, acc[1]);                                                    \
         }                                                                                      \
     } while (0)
 
-/* One tile of 16 weight rows (A tiles in `a`) against activation chunks c and c + 1 (`two`).
- * Groups alternate between tiles 0, 1 and 5, 6, so a group's scaling pass runs while the tile
- * unit computes the next group. */
-static void amx_rows(const uint16_t *a, const uint32_t *xt, const float *xs, const float *sc,
-                     const float *mn, int group, int rows, int M, int K, int c, int two,
-                     const uint16_t *bias, uint16_t *y, int N, int n0) {
-    int kb = group == 16 ? 16 : 32, groups = K / group;
-    float cbuf[16][16] __attribute__((aligned(64)));
-    v16f acc[2][16];
-    memset(acc, 0, sizeof acc);
-    const uint32_t *b0 = xt + (long)c * (K / 2) * 16, *b1 = b0 + (long)(K / 2) * 16;
-    for (int g = 0; g < groups; g++) {
-        if (g % 2 == 0) {
-            GROUP_PRODUCTS(0, 1);
-            if (g > 0) GROUP_SCALE(5, 6, g - 1);
+/* 16 weight rows of int8 codes at `a` (row stride lda) against activation chunks c, c + 1;
+ * pieces of kb columns alternate between accumulator tiles 0, 1 and 5, 6. */
+static void amx_rows(const int8_t *a, long lda, const struct amx_args *p, v16f acc[2][16],
+                      struct ahead *next) {
+    int32_t cbuf[16][16] __attribute__((aligned(64)));
+    int kb = p->group == 16 ? 16 : 32, K = p->K;
+    const int8_t *b0 = p->xq + (long)p->c * (K / 4) * 64, *b1 = b0 + (long)(K / 4) * 64;
+    long lines = (next->left[0] + next->left[1] + next->left[2]) / 64;
+    int per_piece = (int)(lines / (K / kb)) + 1; /* the next tile's lines, spread over pieces */
+    memset(acc, 0, sizeof(v16f) * 32);
+    for (int k = 0; k < K; k += kb) {
+        for (int i = 0; i < per_piece; i++) prefetch_line(next);
+        if ((k / kb) % 2 == 0) {
+            PIECE_PRODUCTS(0, 1);
+            if (k > 0) PIECE_SCALE(5, 6, k - kb);
         } else {
-            GROUP_PRODUCTS(5, 6);
-            GROUP_SCALE(0, 1, g - 1);
+            PIECE_PRODUCTS(5, 6);
+            PIECE_SCALE(0, 1, k - kb);
         }
     }
-    if (groups % 2) GROUP_SCALE(0, 1, groups - 1);
-    else GROUP_SCALE(5, 6, groups - 1);
-    int left = M - c * 16;
-    store_tile(acc[0], rows, left < 16 ? left : 16, bias, y + (long)c * 16 * N, N, n0);
-    if (two) store_tile(acc[1], rows, left - 16 < 16 ? left - 16 : 16, bias,
-                        y + (long)(c + 1) * 16 * N, N, n0);
+    if ((K / kb) % 2) PIECE_SCALE(0, 1, K - kb);
+    else PIECE_SCALE(5, 6, K - kb);
 }
 
-static void amx_config(int kb) {
-    struct tile_config cfg = {.palette = 1};
-    for (int i = 0; i < 7; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C (0, 1, 5, 6): n x m */
-    cfg.colsb[2] = (uint16_t)(kb * 2);                                /* A: n x k bf16 */
-    cfg.rows[3] = cfg.rows[4] = (uint8_t)(kb / 2);                    /* B: k pairs x m */
-    _tile_loadconfig(&cfg);
+/* Rows of 4-bit codes as bytes in column order: to[r][K] for r < rows, zero rows after. */
+static void unpack_nibbles(const uint8_t *codes, int rows, int K, uint8_t *to) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int r = 0; r < 16; r++) {
+        uint8_t *out = to + (long)r * K;
+        if (r >= rows) {
+            memset(out, 0, (size_t)K);
+            continue;
+        }
+        const uint8_t *row = codes + (long)r * (K / 2);
+        int c = 0;
+        for (; c + 64 <= K; c += 64) { /* two blocks: [low0 high0 low1 high1], 16 bytes each */
+            __m256i b = _mm256_loadu_si256((const __m256i *)(row + c / 2));
+            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)),
+                                           _mm256_and_si256(_mm256_srli_epi16(b, 4), low), 1);
+            _mm512_storeu_si512(out + c, _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)));
+        }
+        if (c < K) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(row + c / 2));
+            _mm_storeu_si128((__m128i *)(out + c), _mm_and_si128(b, _mm256_castsi256_si128(low)));
+            _mm_storeu_si128((__m128i *)(out + c + 16),
+                             _mm_and_si128(_mm_srli_epi16(b, 4), _mm256_castsi256_si128(low)));
+        }
+    }
 }
 
-/* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL), w's codes read as exact bf16 on
- * AMX. Needs group 16 or a multiple of 32; returns 0 (nothing written) when it cannot run. */
+/* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL) on AMX-INT8, the activations
+ * quantized per 32 columns; mins NULL when every min is zero (Q8_0, Q6_K, int8).
+ * Needs group 16 or a multiple of 32; returns 0 (nothing written) when it cannot run. */
 int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const float *scales,
-                        const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
-                        int M, int N, int K) {
+                         const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
+                         int M, int N, int K) {
     if (!amx_ok || K % 32 || (group != 16 && group % 32) || K % group) return 0;
     int chunks = (M + 15) / 16, groups = K / group, tiles = (N + 15) / 16;
-    long row_bytes = bits == 4 ? K / 2 : K;
-    uint32_t *xt = aligned_alloc(64, (size_t)chunks * K * 32);
+    int8_t *xq = aligned_alloc(64, (size_t)chunks * K * 16);
+    float *dx = aligned_alloc(64, (size_t)chunks * (K / 32) * 64);
     float *xs = aligned_alloc(64, (size_t)chunks * groups * 64);
-    if (xt == NULL || xs == NULL) return free(xt), free(xs), 0;
-    activation_tiles(x, M, K, group, xt, xs);
+    if (xq == NULL || dx == NULL || xs == NULL) return free(xq), free(dx), free(xs), 0;
+    quantize_rows(x, M, K, xq, dx);
+    if (mins != NULL) group_sums(x, M, K, group, xs);
 #pragma omp parallel
     {
-        amx_config(group == 16 ? 16 : 32);
-        uint16_t *a = aligned_alloc(64, (size_t)K * 32);
+        int kb = group == 16 ? 16 : 32;
+        struct tile_config cfg = {.palette = 1};
+        for (int i = 0; i < 7; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C (0, 1, 5, 6) */
+        cfg.colsb[2] = (uint16_t)kb;                                      /* A: n x k int8 */
+        cfg.rows[3] = cfg.rows[4] = (uint8_t)(kb / 4);                    /* B: k quads x m */
+        _tile_loadconfig(&cfg);
+        int8_t *pad = calloc(16, (size_t)K); /* a last partial tile, zero rows after N */
+        v16f acc[2][16];
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
             int n0 = t * 16, rows = N - n0 < 16 ? N - n0 : 16;
+            long row_bytes = bits == 4 ? K / 2 : K;
+            const int8_t *a = (const int8_t *)codes + (long)n0 * K;
+            if (bits == 4) unpack_nibbles(codes + n0 * row_bytes, rows, K, (uint8_t *)(a = pad));
+            else if (rows < 16) a = memcpy(pad, a, (size_t)rows * K);
             long following = t + 1 < tiles ? (N - n0 - 16 < 16 ? N - n0 - 16 : 16) : 0;
             struct ahead next = {
                 {(const char *)(codes + (n0 + 16) * row_bytes),
                  (const char *)(scales + (long)(n0 + 16) * groups),
-                 (const char *)(mins + (long)(n0 + 16) * groups)},
-                {following * row_bytes, following * groups * 4, following * groups * 4}};
-            code_tiles(codes + n0 * row_bytes, row_bytes, bits, rows, K, a, &next);
-            for (int c = 0; c < chunks; c += 2)
-                amx_rows(a, xt, xs, scales + (long)n0 * groups, mins + (long)n0 * groups, group,
-                         rows, M, K, c, c + 1 < chunks, bias, y, N, n0);
-        }
-        free(a);
-        _tile_release();
-    }
-    free(xt);
-    free(xs);
-    return 1;
-}
-
-/* EXPERIMENT: weights dequantized to bf16 per tile (values rounded), whole K in the tile. */
-static void value_tiles(const uint8_t *codes, long row_bytes, int bits, const float *sc,
-                        const float *mn, int groups, int group, int rows, int K, uint16_t *a) {
-    for (int r = 0; r < 16; r++)
-        for (int c = 0; c < K; c += 32) {
-            __m512i v = _mm512_setzero_si512();
-            if (r < rows) {
-                v16f lo, hi;
-                codes32(codes + r * row_bytes, bits, c, &lo, &hi);
-                const float *s = sc + (long)r * groups, *o = mn + (long)r * groups;
-                int g0 = c / group, g1 = (c + 16) / group;
-                v16f w0 = lo * s[g0] + o[g0], w1 = hi * s[g1] + o[g1];
-                v = (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0);
+                 (const char *)(mins ? mins + (long)(n0 + 16) * groups : NULL)},
+                {following * row_bytes, following * groups * 4, mins ? following * groups * 4 : 0}};
+            for (int c = 0; c < chunks; c += 2) {
+                struct amx_args p = {xq, dx, xs, scales + (long)n0 * groups,
+                                      mins ? mins + (long)n0 * groups : NULL, group, K, M, c,
+                                      c + 1 < chunks, rows, bits == 4};
+                amx_rows(a, K, &p, acc, &next);
+                int left = M - c * 16;
+                store_tile(acc[0], rows, left < 16 ? left : 16, bias, y + (long)c * 16 * N, N, n0);
+                if (p.two) store_tile(acc[1], rows, left - 16 < 16 ? left - 16 : 16, bias,
+                                      y + (long)(c + 1) * 16 * N, N, n0);
             }
-            _mm512_store_si512(a + ((long)(c / 32) * 16 + r) * 32, v);
         }
-}
-
-static void amx_rows_values(const uint16_t *a, const uint32_t *xt, int rows, int M, int K, int c,
-                            int two, const uint16_t *bias, uint16_t *y, int N, int n0) {
-    float cbuf[16][16] __attribute__((aligned(64)));
-    v16f acc[16];
-    const uint32_t *b0 = xt + (long)c * (K / 2) * 16, *b1 = b0 + (long)(K / 2) * 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int k = 0; k < K; k += 32) {
-        _tile_loadd(2, a + (k / 32) * 16 * 32, 64);
-        _tile_loadd(3, b0 + (k / 2) * 16, 64);
-        _tile_dpbf16ps(0, 2, 3);
-        if (two) {
-            _tile_loadd(4, b1 + (k / 2) * 16, 64);
-            _tile_dpbf16ps(1, 2, 4);
-        }
-    }
-    int left = M - c * 16;
-    _tile_stored(0, cbuf, 64);
-    for (int r = 0; r < 16; r++) acc[r] = vload(cbuf[r]);
-    store_tile(acc, rows, left < 16 ? left : 16, bias, y + (long)c * 16 * N, N, n0);
-    if (two) {
-        _tile_stored(1, cbuf, 64);
-        for (int r = 0; r < 16; r++) acc[r] = vload(cbuf[r]);
-        store_tile(acc, rows, left - 16 < 16 ? left - 16 : 16, bias, y + (long)(c + 1) * 16 * N,
-                   N, n0);
-    }
-}
-
-int kvflow_q_linear_amx_values(const uint16_t *x, const uint8_t *codes, const float *scales,
-                               const float *mins, int bits, int group, const uint16_t *bias,
-                               uint16_t *y, int M, int N, int K) {
-    if (!amx_ok || K % 32) return 0;
-    int chunks = (M + 15) / 16, groups = K / group, tiles = (N + 15) / 16;
-    long row_bytes = bits == 4 ? K / 2 : K;
-    uint32_t *xt = aligned_alloc(64, (size_t)chunks * K * 32);
-    float *xs = aligned_alloc(64, (size_t)chunks * groups * 64);
-    activation_tiles(x, M, K, group, xt, xs);
-#pragma omp parallel
-    {
-        struct tile_config cfg = {.palette = 1};
-        for (int i = 0; i < 5; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-        _tile_loadconfig(&cfg);
-        uint16_t *a = aligned_alloc(64, (size_t)K * 32);
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            int n0 = t * 16, rows = N - n0 < 16 ? N - n0 : 16;
-            value_tiles(codes + n0 * row_bytes, row_bytes, bits, scales + (long)n0 * groups,
-                        mins + (long)n0 * groups, groups, group, rows, K, a);
-            for (int c = 0; c < chunks; c += 2)
-                amx_rows_values(a, xt, rows, M, K, c, c + 1 < chunks, bias, y, N, n0);
-        }
-        free(a);
+        free(pad);
         _tile_release();
     }
-    free(xt);
+    free(xq);
+    free(dx);
     free(xs);
     return 1;
 }
