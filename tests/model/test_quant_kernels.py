@@ -142,6 +142,19 @@ def test_amx_kernel_matches_float64_matmul(kind: str) -> None:
                 assert excess <= 1.0, f"{kind} {cols} {rows} {m}: {excess:.2f}x the bound"
 
 
+@needs_amx
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_amx_kernel_keeps_non_finite_rows_non_finite(kind: str) -> None:
+    """A NaN or an infinity in an activation row makes that row's outputs non-finite (the
+    engine fails such a request), never finite values made from a saturated int8 code."""
+    weight = from_gguf_blocks(gguf_tensor(kind, 20, 96), kind, 96)
+    x = torch.randn(4, 96).bfloat16()
+    x[1, 40], x[2, 95] = float("nan"), float("inf")
+    y = quant_kernels.kernel_linear(x, weight, None, amx=True)
+    assert torch.isfinite(y[[0, 3]]).all()
+    assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+
+
 @needs_native
 def test_routing_by_rows() -> None:
     """bf16 rows take: one row of 4-bit codes the float32 kernel; 8-bit codes, or 4-bit from two

@@ -297,40 +297,48 @@ static void store_tile(const v16f acc[16], int rows, int mrows, const uint16_t *
     }
 }
 
-/* x [M, K] bf16 -> xq[M / 16][K / 4][16][4] int8 (quads of k per activation row, rows past M
- * zero) and dx[M / 16][K / 32][16]: max |x| / 127 of each row's 32-column blocks. */
-static void quantize_rows(const uint16_t *x, int M, int K, int8_t *xq, float *dx) {
-    int chunks = (M + 15) / 16, blocks = K / 32;
-    memset(xq, 0, (size_t)chunks * K * 16);
-    memset(dx, 0, (size_t)chunks * blocks * 16 * sizeof(float));
-    for (int m = 0; m < M; m++)
+/* x [M, K] bf16 -> xq[M / 16][K / 4][16][4] int8 (quads of k per activation row; the caller
+ * zeroes rows past M), dx[M / 16][K / 32][16]: max |x| / 127 of each row's 32-column blocks
+ * (NaN where a block holds a NaN or an infinity, so that the output is not finite either), and,
+ * xs not NULL, xs[M / 16][K / group][16]: each row's float sum over each group. Rows are split
+ * among the threads of the enclosing parallel region. */
+static void quantize_rows(const uint16_t *x, int M, int K, int group, int8_t *xq, float *dx,
+                          float *xs) {
+    int blocks = K / 32, groups = K / group;
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        float *sums = xs ? xs + (long)(m / 16) * groups * 16 + m % 16 : NULL;
+        if (sums)
+            for (int g = 0; g < groups; g++) sums[g * 16] = 0.0f;
         for (int b = 0; b < blocks; b++) {
             const uint16_t *at = x + (long)m * K + b * 32;
-            v16f lo = (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(
-                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
-            v16f hi = (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(
-                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps((__m512)lo),
-                                                            _mm512_abs_ps((__m512)hi)));
-            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(lo * inv)));
-            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(hi * inv)));
+            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
+            __m512 big = _mm512_set1_ps(3.4e38f); /* above bf16's largest finite value */
+            __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)); /* max drops NaN: */
+            int finite = !(_mm512_cmp_ps_mask(alo, big, _CMP_NLE_UQ) |
+                           _mm512_cmp_ps_mask(ahi, big, _CMP_NLE_UQ));
+            float d = finite ? amax / 127.0f : __builtin_nanf(""), inv = 0.0f;
+            if (finite && amax > 0.0f) inv = 127.0f / amax;
+            __m512 scale = _mm512_set1_ps(inv);
+            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)));
+            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale)));
             uint32_t quads[8];
             memcpy(quads, &q0, 16);
             memcpy(quads + 4, &q1, 16);
             int8_t *to = xq + ((long)(m / 16) * (K / 4) + b * 8) * 64 + (m % 16) * 4;
             for (int i = 0; i < 8; i++) memcpy(to + i * 64, &quads[i], 4);
             dx[((long)(m / 16) * blocks + b) * 16 + m % 16] = d;
+            if (sums && group == 16) {
+                sums[(2 * b) * 16] = _mm512_reduce_add_ps(lo);
+                sums[(2 * b + 1) * 16] = _mm512_reduce_add_ps(hi);
+            } else if (sums) {
+                sums[(b * 32 / group) * 16] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            }
         }
-}
-
-/* Each activation row's float sum over each group: xs[M / 16][groups][16] (rows past M zero). */
-static void group_sums(const uint16_t *x, int M, int K, int group, float *xs) {
-    int chunks = (M + 15) / 16, groups = K / group;
-    memset(xs, 0, (size_t)chunks * groups * 16 * sizeof(float));
-    for (int m = 0; m < M; m++) {
-        float *s = xs + (long)(m / 16) * groups * 16 + m % 16;
-        for (int k = 0; k < K; k++) s[(k / group) * 16] += bf16_to_float(x[(long)m * K + k]);
     }
 }
 
@@ -443,10 +451,12 @@ int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const float *sc
     float *dx = aligned_alloc(64, (size_t)chunks * (K / 32) * 64);
     float *xs = aligned_alloc(64, (size_t)chunks * groups * 64);
     if (xq == NULL || dx == NULL || xs == NULL) return free(xq), free(dx), free(xs), 0;
-    quantize_rows(x, M, K, xq, dx);
-    if (mins != NULL) group_sums(x, M, K, group, xs);
+    memset(xq, 0, (size_t)chunks * K * 16);
+    memset(dx, 0, (size_t)chunks * (K / 32) * 64);
+    memset(xs, 0, (size_t)chunks * groups * 64);
 #pragma omp parallel
     {
+        quantize_rows(x, M, K, group, xq, dx, mins ? xs : NULL); /* ends in a barrier */
         int kb = group == 16 ? 16 : 32;
         struct tile_config cfg = {.palette = 1};
         for (int i = 0; i < 7; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C (0, 1, 5, 6) */
