@@ -81,7 +81,7 @@ def amx_bound(x: torch.Tensor, weight: QuantizedWeight, y64: torch.Tensor) -> to
     x64 = x.double()
     d = x64.view(m, k // 32, 32).abs().amax(-1) / 127  # [M, blocks]
     half = (d / 2).repeat_interleave(32, dim=1)  # [M, K]
-    sq = (weight.int_codes().double() * weight.scales.double().repeat_interleave(weight.group, 1))
+    sq = weight.int_codes().double() * weight.scales.double().repeat_interleave(weight.group, 1)
     mins = weight.mins.double().repeat_interleave(weight.group, 1)
     quantization = half @ sq.abs().T
     work = (k + 2) * 2.0**-24 * ((x64.abs() + half) @ (sq.abs() + mins.abs()).T)
