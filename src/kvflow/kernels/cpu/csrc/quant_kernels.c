@@ -353,19 +353,32 @@ struct amx_args {
     int group, K, M, c, two, rows, nibbles; /* nibbles: unsigned 4-bit codes, else int8 */
 };
 
-/* acc[r] += scale[r, g] * dx (a block's row of int32 sums, converted) (+ min[r, g] * xsum when
- * the piece starts group g). */
+/* acc[r] += scale[r, g] * dx * (a block's row of int32 sums, converted) (+ min[r, g] * xsum when
+ * the piece starts group g). Up to 8 activation rows in the chunk: 256-bit vectors, which three
+ * ports execute where 512-bit ones have two. */
 static inline void scale_block(const int32_t cbuf[16][16], const struct amx_args *p, int h, int k,
-                          v16f acc[16]) {
+                               v16f acc[16]) {
     int groups = p->K / p->group, g = k / p->group, ch = p->c + h;
-    v16f dxv = vload(p->dx + ((long)ch * (p->K / 32) + k / 32) * 16);
+    const float *sc = p->sc + g, *mn = p->mn ? p->mn + g : NULL;
+    const float *dx = p->dx + ((long)ch * (p->K / 32) + k / 32) * 16;
+    const float *xs = p->xs + ((long)ch * groups + g) * 16;
+    int with_min = mn != NULL && k % p->group == 0;
+    if (p->M - ch * 16 <= 8) {
+        __m256 dxv = _mm256_load_ps(dx), xv = with_min ? _mm256_load_ps(xs) : _mm256_setzero_ps();
+        for (int r = 0; r < p->rows; r++) {
+            __m256 v = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)cbuf[r]));
+            __m256 a = _mm256_load_ps((const float *)&acc[r]);
+            a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sc[r * groups]), dxv), v, a);
+            if (with_min) a = _mm256_fmadd_ps(_mm256_set1_ps(mn[r * groups]), xv, a);
+            _mm256_store_ps((float *)&acc[r], a);
+        }
+        return;
+    }
+    v16f dxv = vload(dx), xv = with_min ? vload(xs) : (v16f){0};
     for (int r = 0; r < p->rows; r++) {
         v16f v = (v16f)_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[r]));
-        acc[r] += (p->sc[r * groups + g] * dxv) * v;
-    }
-    if (p->mn != NULL && k % p->group == 0) {
-        v16f xv = vload(p->xs + ((long)ch * groups + g) * 16);
-        for (int r = 0; r < p->rows; r++) acc[r] += p->mn[r * groups + g] * xv;
+        acc[r] += (sc[r * groups] * dxv) * v;
+        if (with_min) acc[r] += mn[r * groups] * xv;
     }
 }
 
