@@ -8,6 +8,7 @@ a step reads, and those bytes over the step time against the machine's copy band
 in the same run.
 
     .venv/bin/python benchmarks/quant_decode.py [--steps 64] [--repeats 3] [--batch 1,8,32]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", default="1", help="comma-separated decode batch sizes")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:  # one thread: no OpenMP barrier waits for a core another process holds
+        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
     engines = {m: LLM(quantization=m, max_model_len=2048) for m in ("gguf", "none")}
     rows: dict[tuple[str, int], list] = {(m, b): [] for b in batches for m in engines}
