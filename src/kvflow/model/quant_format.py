@@ -13,6 +13,7 @@ bits, group 32; Q6_K -> 8 bits, group 16. `quantize_int8` makes the int8 weight-
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,11 @@ class QuantizedWeight:
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
+
+    @functools.cached_property
+    def has_mins(self) -> bool:
+        """Whether any offset is nonzero (Q8_0, Q6_K and int8 have none)."""
+        return bool(self.mins.any())
 
     @property
     def nbytes(self) -> int:

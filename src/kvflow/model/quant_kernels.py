@@ -1,116 +1,71 @@
-"""Linear layers on quantized weights (`QuantizedWeight`): csrc/quant_kernels.c through ctypes,
-built and cached like cpu_kernels.c; torch's paths where the library is not there.
+"""Which kernel runs a layer's quantized weight (`QuantizedWeight`, `Fp8Weight`), and the
+quantized embedding lookup. The CPU kernels themselves are kvflow.kernels.cpu.quant.
 
-`quant_linear` reads the codes in place for up to `MAX_KERNEL_ROWS` activation rows (a decode
-step: bound by reading the weight once, a quarter to a half of the bf16 bytes); a larger batch
-(a prompt) dequantizes the weight to bf16 and runs the bf16 matmul, which is compute-bound there
-and faster on bf16 matrix units than widening codes row by row.
+For bf16 activations on a CPU with AMX: 8-bit codes at any batch up to `MAX_AMX_ROWS`, 4-bit
+codes from two rows, take the AMX-INT8 kernel (activations quantized to int8 per 32 columns);
+one row of 4-bit codes takes the float32 kernel (codes widened in registers, faster there);
+without AMX, the float32 kernel takes up to `MAX_KERNEL_ROWS` rows (its cost grows with each
+row). Larger batches (prompts) dequantize the weight to bf16 and run the bf16 matmul, which is
+faster there (benchmarks/quant_matmul.py; RESULTS.md).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu import build
+from kvflow.kernels.cpu import quant
 from kvflow.model.fp8_linear import Fp8Weight, fp8_linear
 from kvflow.model.quant_format import QuantizedWeight
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "csrc" / "quant_kernels.c"
-MAX_KERNEL_ROWS = 16  # activation rows read by the kernel; more: dequantize, then bf16 matmul
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("KVFLOW_NATIVE", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(build._build(compiler, SOURCE)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("quantized CPU kernel unavailable (%s): dequantizing per call", detail)
-        return None
-    ptr, num = ctypes.c_void_p, ctypes.c_int
-    for name in ("kvflow_q_linear", "kvflow_q_linear_f32"):
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
-    lib.kvflow_q_dequant.restype = None
-    lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 2 + [ptr] + [num] * 3
-    return lib
+MAX_KERNEL_ROWS = 16  # rows the float32 kernel takes without AMX
+MAX_AMX_ROWS = 64  # rows the AMX kernel takes; more: dequantize, then bf16 matmul
 
 
 def native_available() -> bool:
     """Whether the quantized kernels built and loaded (built now on first call)."""
-    return _library() is not None
+    return quant.native_available()
+
+
+def uses_amx(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """Whether `rows` activation rows of `dtype` take the AMX kernel for `weight`."""
+    if dtype != torch.bfloat16 or rows > MAX_AMX_ROWS or (weight.bits == 4 and rows == 1):
+        return False
+    return quant.amx_available() and quant.amx_takes(weight.group)
 
 
 def kernel_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, amx: bool = False
 ) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias) -> [M, N] by the native kernel, reading the codes in place;
-    x, bias and the result all bf16 (float32 sums rounded once) or all float32."""
-    lib = _library()
-    assert lib is not None, "check native_available() first"
-    x = x.contiguous()
-    rows = x.shape[0]
-    out = torch.empty(rows, weight.out_features, dtype=x.dtype)
-    kernel = lib.kvflow_q_linear_f32 if x.dtype == torch.float32 else lib.kvflow_q_linear
-    kernel(
-        x.data_ptr(),
-        weight.codes.data_ptr(),
-        weight.scales.data_ptr(),
-        weight.mins.data_ptr(),
-        weight.bits,
-        weight.group,
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        rows,
-        weight.out_features,
-        weight.in_features,
-    )
-    return out
+    """x [M, K] @ weight.T (+ bias) -> [M, N] by a native kernel reading the codes in place: the
+    float32 one (x, bias and the result all bf16 or all float32) or, `amx`, the AMX-INT8 one
+    (bf16; check `uses_amx` first)."""
+    parts = (weight.codes, weight.scales)
+    if amx:
+        mins = weight.mins if weight.has_mins else None
+        return quant.linear_amx(x, *parts, mins, weight.bits, weight.group, bias)
+    return quant.linear(x, *parts, weight.mins, weight.bits, weight.group, bias)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] in `dtype` (the native kernel for bf16 and float32 where loaded)."""
-    lib = _library()
-    if lib is None or dtype not in (torch.bfloat16, torch.float32):
+    if not quant.native_available() or dtype not in (torch.bfloat16, torch.float32):
         return weight.dequantize(dtype)
-    out = torch.empty(weight.out_features, weight.in_features, dtype=dtype)
-    lib.kvflow_q_dequant(
-        weight.codes.data_ptr(),
-        weight.scales.data_ptr(),
-        weight.mins.data_ptr(),
-        weight.bits,
-        weight.group,
-        out.data_ptr(),
-        int(dtype == torch.float32),
-        weight.out_features,
-        weight.in_features,
-    )
-    return out
+    parts = (weight.codes, weight.scales, weight.mins, weight.bits, weight.group)
+    return quant.dequantize(*parts, weight.in_features, dtype)
 
 
 def quant_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype (the kernel's for bf16 and float32)."""
-    small = x.shape[0] <= MAX_KERNEL_ROWS
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype (see the module's routing)."""
+    rows = x.shape[0]
+    bias = None if bias is None else bias.to(x.dtype)
+    if uses_amx(rows, weight, x.dtype):
+        return kernel_linear(x, weight, bias, amx=True)
+    small = rows <= MAX_KERNEL_ROWS
     if small and x.dtype in (torch.bfloat16, torch.float32) and native_available():
-        return kernel_linear(x, weight, None if bias is None else bias.to(x.dtype))
+        return kernel_linear(x, weight, bias)
     return F.linear(x, dequantize(weight, x.dtype), bias)
 
 

@@ -6,8 +6,7 @@
 - `fp8` (CUDA): float8_e4m3fn codes with a float32 scale per output channel, made now.
 - `none`: the model's dtype throughout (a GGUF dequantized to it).
 
-The default (None) for a GGUF model on the CPU in bf16 is `gguf`: see README, "Quantized
-weights".
+The default (None) is `none` for every model: see README, "Quantized weights", for why.
 Each quantized layer lets its float weight go (a placeholder keeps the shape), so the
 resident weights are the quantized bytes plus the norms.
 """

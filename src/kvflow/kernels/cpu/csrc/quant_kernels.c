@@ -1,8 +1,10 @@
 /* kvflow's linear layers on quantized weights, read as they are stored:
  *
- *   kvflow_q_linear   y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 x and y, w quantized
- *                     (kvflow_q_linear_f32: float32 x and y)
- *   kvflow_q_dequant  w[N, K] -> bf16 (prefill: a large batch runs the bf16 matmul on it)
+ *   kvflow_q_linear      y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 x and y, w quantized
+ *                        (kvflow_q_linear_f32: float32 x and y); codes widened in registers
+ *   kvflow_q_linear_amx  the same on AMX-INT8 tiles, activations quantized to int8 per 32
+ *                        columns (below; returns 0 where the CPU or OS has no AMX)
+ *   kvflow_q_dequant     w[N, K] -> bf16 (prefill: a large batch runs the bf16 matmul on it)
  *
  * The weight layout (made once by kvflow/model/quant_format.py from GGUF blocks or a float
  * checkpoint): K is cut in groups of `group` columns (a multiple of 16; K a multiple of 32);
@@ -219,10 +221,307 @@ void kvflow_q_dequant(const uint8_t *codes, const float *scales, const float *mi
                 memcpy((float *)w + at + 16, &w1, sizeof w1);
                 continue;
             }
+#ifdef __AVX512BF16__ /* one rounding instruction for 32 values (nearest even, as below) */
+            _mm512_storeu_si512((uint16_t *)w + at, (__m512i)_mm512_cvtne2ps_pbh((__m512)w1,
+                                                                                (__m512)w0));
+#else
             for (int i = 0; i < 16; i++) {
                 ((uint16_t *)w)[at + i] = float_to_bf16(w0[i]);
                 ((uint16_t *)w)[at + 16 + i] = float_to_bf16(w1[i]);
             }
+#endif
         }
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+/* Batches on AMX's int8 unit (kvflow_q_linear_amx). The codes are the tiles (16 weight rows x 32
+ * columns; 8-bit codes as stored, 4-bit ones unpacked to a byte each per tile of 16 rows), the
+ * activations are quantized to int8 with one float32 scale per activation row and 32 columns
+ * (max |x| -> 127, as llama.cpp's Q8 blocks), and
+ *   y[m, n] = sum_b scale[n, g(b)] * dx[m, b] * sum_{k in b} code[n, k] xq[m, k]
+ *             (+ sum_g min[n, g] * xsum[m, g], xsum of the bf16 activations, when there are mins)
+ * over 32-column blocks b (16-column pieces for groups of 16). The tile unit computes the int32
+ * sums of a 16 x 16 output tile (weight rows x activation rows) a block at a time, up to 32
+ * activation rows per weight tile; the scaling is float32 vector work per block, which the tile
+ * unit overlaps (two pairs of accumulator tiles in turn). The weights are read once a call,
+ * ahead of use (software prefetch: the conversion otherwise waits on memory), which is what
+ * bounds the step up to 16-32 rows. Linux grants the tile state on request (arch_prctl), once per
+ * process: kvflow_q_amx_init asks and says whether the kernel may run. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_ok = 0;
+
+int kvflow_q_amx_init(void) {
+    amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_ok;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Byte ranges to bring into the cache a line at a time while the current tile computes: the
+ * next tile's codes, scales and mins (the hardware prefetcher, left alone, leaves the conversion
+ * waiting on memory for most of its time). */
+struct ahead {
+    const char *at[3];
+    long left[3];
+};
+
+static inline void prefetch_line(struct ahead *p) {
+    for (int i = 0; i < 3; i++)
+        if (p->left[i] > 0) {
+            _mm_prefetch(p->at[i], _MM_HINT_T0);
+            p->at[i] += 64, p->left[i] -= 64;
+            return;
+        }
+}
+
+/* Output rows c * 16 .. of the tile (columns n0 .. n0 + rows - 1): acc + bias, rounded. acc is
+ * [weight row][activation row]; a gather reads one activation row's 16 outputs across it, so
+ * y's rows take one 32-byte store each (scalar stores across y's rows cost more than the
+ * products when N is large, as for the logits head). */
+static void store_tile(const v16f acc[16], int rows, int mrows, const uint16_t *bias,
+                       uint16_t *y, int N, int n0) {
+    __mmask16 keep = (__mmask16)((1u << rows) - 1u);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
+    __m512i across = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    for (int m = 0; m < mrows; m++) {
+        __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(across, _mm512_set1_epi32(m)),
+                                       (const float *)acc, 4);
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(v, b));
+        _mm256_mask_storeu_epi16(y + (long)m * N + n0, keep, (__m256i)h);
+    }
+}
+
+/* x [M, K] bf16 -> xq[M / 16][K / 4][16][4] int8 (quads of k per activation row; the caller
+ * zeroes rows past M), dx[M / 16][K / 32][16]: max |x| / 127 of each row's 32-column blocks
+ * (NaN where a block holds a NaN or an infinity, so that the output is not finite either), and,
+ * xs not NULL, xs[M / 16][K / group][16]: each row's float sum over each group. Rows are split
+ * among the threads of the enclosing parallel region. */
+static void quantize_rows(const uint16_t *x, int M, int K, int group, int8_t *xq, float *dx,
+                          float *xs) {
+    int blocks = K / 32, groups = K / group;
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        float *sums = xs ? xs + (long)(m / 16) * groups * 16 + m % 16 : NULL;
+        if (sums)
+            for (int g = 0; g < groups; g++) sums[g * 16] = 0.0f;
+        for (int b = 0; b < blocks; b++) {
+            const uint16_t *at = x + (long)m * K + b * 32;
+            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
+            __m512 big = _mm512_set1_ps(3.4e38f); /* above bf16's largest finite value */
+            __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)); /* max drops NaN: */
+            int finite = !(_mm512_cmp_ps_mask(alo, big, _CMP_NLE_UQ) |
+                           _mm512_cmp_ps_mask(ahi, big, _CMP_NLE_UQ));
+            float d = finite ? amax / 127.0f : __builtin_nanf(""), inv = 0.0f;
+            if (finite && amax > 0.0f) inv = 127.0f / amax;
+            __m512 scale = _mm512_set1_ps(inv);
+            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)));
+            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale)));
+            uint32_t quads[8];
+            memcpy(quads, &q0, 16);
+            memcpy(quads + 4, &q1, 16);
+            int8_t *to = xq + ((long)(m / 16) * (K / 4) + b * 8) * 64 + (m % 16) * 4;
+            for (int i = 0; i < 8; i++) memcpy(to + i * 64, &quads[i], 4);
+            dx[((long)(m / 16) * blocks + b) * 16 + m % 16] = d;
+            if (sums && group == 16) {
+                sums[(2 * b) * 16] = _mm512_reduce_add_ps(lo);
+                sums[(2 * b + 1) * 16] = _mm512_reduce_add_ps(hi);
+            } else if (sums) {
+                sums[(b * 32 / group) * 16] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            }
+        }
+    }
+}
+
+struct amx_args {
+    const int8_t *xq;
+    const float *dx, *xs, *sc, *mn;
+    int group, K, M, c, two, rows, nibbles; /* nibbles: unsigned 4-bit codes, else int8 */
+};
+
+/* acc[r] += scale[r, g] * dx * (a block's row of int32 sums, converted) (+ min[r, g] * xsum when
+ * the piece starts group g). Up to 8 activation rows in the chunk: 256-bit vectors, which three
+ * ports execute where 512-bit ones have two. */
+static inline void scale_block(const int32_t cbuf[16][16], const struct amx_args *p, int h, int k,
+                               v16f acc[16]) {
+    int groups = p->K / p->group, g = k / p->group, ch = p->c + h;
+    const float *sc = p->sc + g, *mn = p->mn ? p->mn + g : NULL;
+    const float *dx = p->dx + ((long)ch * (p->K / 32) + k / 32) * 16;
+    const float *xs = p->xs + ((long)ch * groups + g) * 16;
+    int with_min = mn != NULL && k % p->group == 0;
+    if (p->M - ch * 16 <= 8) {
+        __m256 dxv = _mm256_load_ps(dx), xv = with_min ? _mm256_load_ps(xs) : _mm256_setzero_ps();
+        for (int r = 0; r < p->rows; r++) {
+            __m256 v = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)cbuf[r]));
+            __m256 a = _mm256_load_ps((const float *)&acc[r]);
+            a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sc[r * groups]), dxv), v, a);
+            if (with_min) a = _mm256_fmadd_ps(_mm256_set1_ps(mn[r * groups]), xv, a);
+            _mm256_store_ps((float *)&acc[r], a);
+        }
+        return;
+    }
+    v16f dxv = vload(dx), xv = with_min ? vload(xs) : (v16f){0};
+    for (int r = 0; r < p->rows; r++) {
+        v16f v = (v16f)_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[r]));
+        acc[r] += (sc[r * groups] * dxv) * v;
+        if (with_min) acc[r] += mn[r * groups] * xv;
+    }
+}
+
+#define PIECE_PRODUCTS(C0, C1)                                                                 \
+    do {                                                                                       \
+        _tile_zero(C0);                                                                        \
+        _tile_zero(C1);                                                                        \
+        _tile_loadd(2, a + k, lda);                                                            \
+        _tile_loadd(3, b0 + (k / 4) * 64, 64);                                                 \
+        if (p->nibbles) _tile_dpbusd(C0, 2, 3);                                                \
+        else _tile_dpbssd(C0, 2, 3);                                                           \
+        if (p->two) {                                                                          \
+            _tile_loadd(4, b1 + (k / 4) * 64, 64);                                             \
+            if (p->nibbles) _tile_dpbusd(C1, 2, 4);                                            \
+            else _tile_dpbssd(C1, 2, 4);                                                       \
+        }                                                                                      \
+    } while (0)
+
+#define PIECE_SCALE(C0, C1, K0)                                                                \
+    do {                                                                                       \
+        _tile_stored(C0, cbuf, 64);                                                            \
+        scale_block(cbuf, p, 0, K0, acc[0]);                                                        \
+        if (p->two) {                                                                          \
+            _tile_stored(C1, cbuf, 64);                                                        \
+            scale_block(cbuf, p, 1, K0, acc[1]);                                                    \
+        }                                                                                      \
+    } while (0)
+
+/* 16 weight rows of int8 codes at `a` (row stride lda) against activation chunks c, c + 1;
+ * pieces of kb columns alternate between accumulator tiles 0, 1 and 5, 6. */
+static void amx_rows(const int8_t *a, long lda, const struct amx_args *p, v16f acc[2][16],
+                      struct ahead *next) {
+    int32_t cbuf[16][16] __attribute__((aligned(64)));
+    int kb = p->group == 16 ? 16 : 32, K = p->K;
+    const int8_t *b0 = p->xq + (long)p->c * (K / 4) * 64, *b1 = b0 + (long)(K / 4) * 64;
+    long lines = (next->left[0] + next->left[1] + next->left[2]) / 64;
+    int per_piece = (int)(lines / (K / kb)) + 1; /* the next tile's lines, spread over pieces */
+    memset(acc, 0, sizeof(v16f) * 32);
+    for (int k = 0; k < K; k += kb) {
+        for (int i = 0; i < per_piece; i++) prefetch_line(next);
+        if ((k / kb) % 2 == 0) {
+            PIECE_PRODUCTS(0, 1);
+            if (k > 0) PIECE_SCALE(5, 6, k - kb);
+        } else {
+            PIECE_PRODUCTS(5, 6);
+            PIECE_SCALE(0, 1, k - kb);
+        }
+    }
+    if ((K / kb) % 2) PIECE_SCALE(0, 1, K - kb);
+    else PIECE_SCALE(5, 6, K - kb);
+}
+
+/* Rows of 4-bit codes as bytes in column order: to[r][K] for r < rows, zero rows after. */
+static void unpack_nibbles(const uint8_t *codes, int rows, int K, uint8_t *to) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int r = 0; r < 16; r++) {
+        uint8_t *out = to + (long)r * K;
+        if (r >= rows) {
+            memset(out, 0, (size_t)K);
+            continue;
+        }
+        const uint8_t *row = codes + (long)r * (K / 2);
+        int c = 0;
+        for (; c + 64 <= K; c += 64) { /* two blocks: [low0 high0 low1 high1], 16 bytes each */
+            __m256i b = _mm256_loadu_si256((const __m256i *)(row + c / 2));
+            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)),
+                                           _mm256_and_si256(_mm256_srli_epi16(b, 4), low), 1);
+            _mm512_storeu_si512(out + c, _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)));
+        }
+        if (c < K) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(row + c / 2));
+            _mm_storeu_si128((__m128i *)(out + c), _mm_and_si128(b, _mm256_castsi256_si128(low)));
+            _mm_storeu_si128((__m128i *)(out + c + 16),
+                             _mm_and_si128(_mm_srli_epi16(b, 4), _mm256_castsi256_si128(low)));
+        }
+    }
+}
+
+/* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL) on AMX-INT8, the activations
+ * quantized per 32 columns; mins NULL when every min is zero (Q8_0, Q6_K, int8).
+ * Needs group 16 or a multiple of 32; returns 0 (nothing written) when it cannot run. */
+int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const float *scales,
+                         const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
+                         int M, int N, int K) {
+    if (!amx_ok || K % 32 || (group != 16 && group % 32) || K % group) return 0;
+    int chunks = (M + 15) / 16, groups = K / group, tiles = (N + 15) / 16;
+    int8_t *xq = aligned_alloc(64, (size_t)chunks * K * 16);
+    float *dx = aligned_alloc(64, (size_t)chunks * (K / 32) * 64);
+    float *xs = aligned_alloc(64, (size_t)chunks * groups * 64);
+    if (xq == NULL || dx == NULL || xs == NULL) return free(xq), free(dx), free(xs), 0;
+    memset(xq, 0, (size_t)chunks * K * 16);
+    memset(dx, 0, (size_t)chunks * (K / 32) * 64);
+    memset(xs, 0, (size_t)chunks * groups * 64);
+#pragma omp parallel
+    {
+        quantize_rows(x, M, K, group, xq, dx, mins ? xs : NULL); /* ends in a barrier */
+        int kb = group == 16 ? 16 : 32;
+        struct tile_config cfg = {.palette = 1};
+        for (int i = 0; i < 7; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C (0, 1, 5, 6) */
+        cfg.colsb[2] = (uint16_t)kb;                                      /* A: n x k int8 */
+        cfg.rows[3] = cfg.rows[4] = (uint8_t)(kb / 4);                    /* B: k quads x m */
+        _tile_loadconfig(&cfg);
+        int8_t *pad = calloc(16, (size_t)K); /* a last partial tile, zero rows after N */
+        v16f acc[2][16];
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            int n0 = t * 16, rows = N - n0 < 16 ? N - n0 : 16;
+            long row_bytes = bits == 4 ? K / 2 : K;
+            const int8_t *a = (const int8_t *)codes + (long)n0 * K;
+            if (bits == 4) unpack_nibbles(codes + n0 * row_bytes, rows, K, (uint8_t *)(a = pad));
+            else if (rows < 16) a = memcpy(pad, a, (size_t)rows * K);
+            long following = t + 1 < tiles ? (N - n0 - 16 < 16 ? N - n0 - 16 : 16) : 0;
+            struct ahead next = {
+                {(const char *)(codes + (n0 + 16) * row_bytes),
+                 (const char *)(scales + (long)(n0 + 16) * groups),
+                 (const char *)(mins ? mins + (long)(n0 + 16) * groups : NULL)},
+                {following * row_bytes, following * groups * 4, mins ? following * groups * 4 : 0}};
+            for (int c = 0; c < chunks; c += 2) {
+                struct amx_args p = {xq, dx, xs, scales + (long)n0 * groups,
+                                      mins ? mins + (long)n0 * groups : NULL, group, K, M, c,
+                                      c + 1 < chunks, rows, bits == 4};
+                amx_rows(a, K, &p, acc, &next);
+                int left = M - c * 16;
+                store_tile(acc[0], rows, left < 16 ? left : 16, bias, y + (long)c * 16 * N, N, n0);
+                if (p.two) store_tile(acc[1], rows, left - 16 < 16 ? left - 16 : 16, bias,
+                                      y + (long)(c + 1) * 16 * N, N, n0);
+            }
+        }
+        free(pad);
+        _tile_release();
+    }
+    free(xq);
+    free(dx);
+    free(xs);
+    return 1;
+}
+#else
+int kvflow_q_amx_init(void) { return 0; }
+int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const float *scales,
+                        const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
+                        int M, int N, int K) {
+    (void)x, (void)codes, (void)scales, (void)mins, (void)bits, (void)group, (void)bias, (void)y;
+    (void)M, (void)N, (void)K;
+    return 0;
+}
+#endif

@@ -1,0 +1,169 @@
+"""Linear layers on quantized weights (csrc/quant_kernels.c) through ctypes, built and cached like
+cpu_kernels.c.
+
+A weight is passed as its parts, in the layout csrc/quant_kernels.c describes: `codes` uint8
+[N, K / 2] (4 bits) or [N, K] (8 bits, int8 bit patterns), `scales` and `mins` float32
+[N, K / group]; w[n, k] = scales[n, k / group] * code[n, k] + mins[n, k / group].
+
+- `linear`: codes widened to float32 in registers (bf16 or float32 activations, exact weights).
+- `linear_amx`: AMX-INT8 tiles with the activations quantized to int8 per 32 columns (bf16
+  activations; only where `amx_available()` and `amx_takes(group)`).
+- `dequantize`: the weight as bf16 or float32, for a large batch's matmul.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kvflow.kernels.cpu import build
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_kernels.c"
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library (None without a compiler or with KVFLOW_NATIVE=0); `.amx` says whether
+    the AMX kernel may run (the CPU has AMX-INT8 and the OS granted the tile state)."""
+    if os.environ.get("KVFLOW_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(build._build(compiler, SOURCE)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("quantized CPU kernel unavailable (%s): dequantizing per call", detail)
+        return None
+    ptr, num = ctypes.c_void_p, ctypes.c_int
+    for name in ("kvflow_q_linear", "kvflow_q_linear_f32", "kvflow_q_linear_amx"):
+        getattr(lib, name).restype = None if name != "kvflow_q_linear_amx" else num
+        getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
+    lib.kvflow_q_dequant.restype = None
+    lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 2 + [ptr] + [num] * 3
+    lib.kvflow_q_amx_init.restype = num
+    lib.amx = bool(lib.kvflow_q_amx_init())
+    return lib
+
+
+def native_available() -> bool:
+    """Whether the quantized kernels built and loaded (built now on first call)."""
+    return library() is not None
+
+
+def amx_available() -> bool:
+    """Whether `linear_amx` may run here."""
+    lib = library()
+    return lib is not None and lib.amx
+
+
+def amx_takes(group: int) -> bool:
+    """Whether `linear_amx` takes weights with groups of `group` columns."""
+    return group == 16 or group % 32 == 0
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bits: int,
+    group: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) -> [M, N], codes widened in registers; x, bias and the result all
+    bf16 (float32 sums rounded once) or all float32."""
+    lib = library()
+    assert lib is not None, "check native_available() first"
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
+    kernel = lib.kvflow_q_linear_f32 if x.dtype == torch.float32 else lib.kvflow_q_linear
+    kernel(
+        x.data_ptr(),
+        codes.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr(),
+        bits,
+        group,
+        _ptr(bias),
+        out.data_ptr(),
+        x.shape[0],
+        codes.shape[0],
+        x.shape[1],
+    )
+    return out
+
+
+def linear_amx(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    group: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) -> [M, N], all bf16, on AMX-INT8: x quantized to int8 with a
+    scale per row and 32 columns; `mins` None when every min is zero (it skips their pass)."""
+    lib = library()
+    assert lib is not None and lib.amx and amx_takes(group), "check amx_available() first"
+    assert x.dtype == torch.bfloat16
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
+    done = lib.kvflow_q_linear_amx(
+        x.data_ptr(),
+        codes.data_ptr(),
+        scales.data_ptr(),
+        _ptr(mins),
+        bits,
+        group,
+        _ptr(bias),
+        out.data_ptr(),
+        x.shape[0],
+        codes.shape[0],
+        x.shape[1],
+    )
+    if not done:
+        raise RuntimeError(f"AMX quantized kernel refused K={x.shape[1]}, group={group}")
+    return out
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bits: int,
+    group: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The weight [N, K] as bf16 (rounded to nearest even) or float32 (exact)."""
+    lib = library()
+    assert lib is not None and dtype in (torch.bfloat16, torch.float32)
+    out = torch.empty(codes.shape[0], in_features, dtype=dtype)
+    lib.kvflow_q_dequant(
+        codes.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr(),
+        bits,
+        group,
+        out.data_ptr(),
+        int(dtype == torch.float32),
+        codes.shape[0],
+        in_features,
+    )
+    return out
