@@ -12,11 +12,7 @@ from support.serverproc import ServerProcess, start_server
 def server():
     srv = start_server()
     yield srv
-    srv.signal()
-    try:
-        srv.wait_exit(15)
-    finally:
-        srv.kill()
+    srv.stop()
 
 
 @pytest.fixture

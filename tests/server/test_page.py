@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 
-from support.serverproc import ServerProcess, start_server
+from support.serverproc import start_server
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is missing")
 
@@ -42,20 +42,12 @@ WAIT_MS = 120_000  # generous: the test machine may be shared and slow
 KEY = "page-test-key"
 
 
-def stop_server(server: ServerProcess) -> None:
-    server.signal()
-    try:
-        server.wait_exit(15)
-    finally:
-        server.kill()
-
-
 @pytest.fixture(scope="module")
 def server():
     """One server for the module, with --api-key (a start-up is the costly part)."""
     srv = start_server("--api-key", KEY)
     yield srv
-    stop_server(srv)
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

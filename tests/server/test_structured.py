@@ -27,11 +27,7 @@ TINY_POOL = ["--num-blocks", "32", "--block-size", "16"]
 def tiny() -> ServerProcess:
     srv = start_server("--log-engine-steps", geometry=TINY_POOL)
     yield srv
-    srv.signal()
-    try:
-        srv.wait_exit(15)
-    finally:
-        srv.kill()
+    srv.stop()
 
 
 def _parse(client: openai.OpenAI, model, seed: int):

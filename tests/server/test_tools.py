@@ -56,11 +56,7 @@ COMMON = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0.8, max_token
 def tool_server():
     srv = start_server("--enable-auto-tool-choice", "--tool-call-parser", "xlam")
     yield srv
-    srv.signal()
-    try:
-        srv.wait_exit(15)
-    finally:
-        srv.kill()
+    srv.stop()
 
 
 @pytest.fixture

@@ -21,11 +21,7 @@ def tp_server():
         patch.setenv("OMP_NUM_THREADS", "1")  # per rank (the server itself only schedules)
         srv = start_server("--tensor-parallel-size", "2")
     yield srv
-    srv.signal()
-    try:
-        srv.wait_exit(15)
-    finally:
-        srv.kill()
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,15 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within 15 s (a fixture's teardown; the
+        timeout still fails it)."""
+        self.signal()
+        try:
+            self.wait_exit(15)
+        finally:
+            self.kill()
+
     def post(self, path: str, body: dict, timeout: float = 60.0, **kwargs) -> httpx.Response:
         """POST JSON to `path`; the answer is recorded (see `received`)."""
         response = httpx.post(f"{self.url}{path}", json=body, timeout=timeout, **kwargs)

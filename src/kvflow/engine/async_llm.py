@@ -88,8 +88,6 @@ class AsyncEngine(EngineClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._watchdog: StepWatchdog | None = None
-        self._accepting = True
-        self._dead = asyncio.Event()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -137,15 +135,7 @@ class AsyncEngine(EngineClient):
         watchdog = self._watchdog is not None and self._watchdog.alive
         return self._thread_alive() or watchdog
 
-    async def wait_dead(self) -> str:
-        await self._dead.wait()
-        return self.dead_error or "engine failed"
-
     # ---- state -------------------------------------------------------------------------------
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting and self.dead_error is None
 
     @property
     def stalled(self) -> bool:

@@ -114,7 +114,6 @@ class ProcessEngine(EngineClient):
         self._tracker = StatsTracker(self._latest)
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._accepting = True
         self._started = False
         self._exited = False
         self._busy = False
@@ -125,7 +124,6 @@ class ProcessEngine(EngineClient):
         self._receiver: asyncio.Task | None = None
         self._pidfd: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._dead = asyncio.Event()
         self._bye = asyncio.Event()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -200,15 +198,7 @@ class ProcessEngine(EngineClient):
         proc = self.process.proc
         return self.owns_process and proc is not None and proc.poll() is None
 
-    async def wait_dead(self) -> str:
-        await self._dead.wait()
-        return self.dead_error or "engine failed"
-
     # ---- state -------------------------------------------------------------------------------
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting and self.dead_error is None
 
     @property
     def stalled(self) -> bool:

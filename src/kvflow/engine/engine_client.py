@@ -43,6 +43,17 @@ class EngineClient:
         self.num_admission_rejections = 0  # --max-num-queued-reqs refusals
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._released = asyncio.Event()  # no live request
+        self._dead = asyncio.Event()  # set when the engine dies (dead_error says why)
+        self._accepting = True  # False once shutdown begins
+
+    async def wait_dead(self) -> str:
+        """Returns (with the reason) once the engine has died."""
+        await self._dead.wait()
+        return self.dead_error or "engine failed"
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.dead_error is None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises ValueError (vLLM's wording) for a request that could never be served."""
