@@ -211,13 +211,13 @@ def bench_server(
     name: str, args: argparse.Namespace, prompts: dict[int, list[str]], rep: int
 ) -> dict[str, Any]:
     """One server's start-up time and one result per concurrency level."""
-    from kvflow.bench import free_port, running_server
+    from kvflow.bench import free_port, resident_bytes, running_server
 
     argv, env = server_command(name, args, free_port())
     port = int(argv[argv.index("--port") + 1])
     log = args.peers_dir / "logs" / f"{name}-r{rep}.log"
     started = time.monotonic()
-    with running_server(argv, port, log, timeout=args.startup_timeout, env=env) as url:
+    with running_server(argv, port, log, timeout=args.startup_timeout, env=env) as (url, pid):
         startup = time.monotonic() - started
         print(f"[{name} r{rep}] ready in {startup:.0f} s: {shlex.join(argv)}", flush=True)
         points = {}
@@ -229,8 +229,10 @@ def bench_server(
                 f"{r['median_ttft_ms']:.0f} ms, errors {r['errors']} {r['error_messages'][:1]}",
                 flush=True,
             )
+        resident = resident_bytes(pid)  # after the load: weights, KV cache, buffers at peak use
     version = version_of(name, argv)
-    return {"startup_s": startup, "argv": argv, "version": version, "points": points}
+    out = {"startup_s": startup, "argv": argv, "version": version, "points": points}
+    return {**out, "resident_mib": resident / 2**20}
 
 
 def run_all(args: argparse.Namespace, servers: list[str], levels: list[int]) -> dict[str, Any]:
@@ -269,6 +271,7 @@ def medians(runs: dict[str, Any], levels: list[int]) -> dict[str, dict[int, dict
             row["out_per_req"] = _median([p["total_output_tokens"] / p["completed"] for p in done])
             table[name][c] = row
         table[name]["startup_s"] = _median([r["startup_s"] for r in ok])  # type: ignore[index]
+        table[name]["resident_mib"] = _median([r.get("resident_mib", float("nan")) for r in ok])
     return table
 
 
@@ -310,8 +313,12 @@ def markdown(args: argparse.Namespace, runs: dict[str, Any], table: dict, levels
         failed = [r["failed"].splitlines()[0] for r in reps if "failed" in r]
         if ok:
             startup = _fmt(table[name]["startup_s"], 0)
+            resident = _fmt(table[name]["resident_mib"], 0)
             cmd = shlex.join(ok[0]["argv"])
-            lines.append(f"- {name} {ok[0].get('version', '')} (start-up {startup} s): `{cmd}`")
+            lines.append(
+                f"- {name} {ok[0].get('version', '')} (start-up {startup} s, resident after the "
+                f"load {resident} MiB): `{cmd}`"
+            )
         lines.extend(f"- {name} FAILED: {msg}" for msg in failed)
     lines += [
         "",

@@ -67,7 +67,9 @@ def kernels(weights: list[QuantizedWeight], packed: list[torch.Tensor], n: int):
         "dequant+bf16": lambda x, i: F.linear(x, quant_kernels.dequantize(weights[i], x.dtype)),
     }
     if quant.amx_available():
-        out["amx int8"] = lambda x, i: quant_kernels.kernel_linear(x, weights[i], None, amx=True)
+        out["amx int8"] = lambda x, i: quant_kernels.kernel_linear(x, weights[i], None, "amx")
+    if quant.vnni_available():
+        out["vnni int8"] = lambda x, i: quant_kernels.kernel_linear(x, weights[i], None, "vnni")
     return out
 
 

@@ -44,7 +44,8 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cmd += ["--port", str(port), "--num-blocks", "64", "--block-size", "16"]
     cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(cmd, port, log, timeout=STARTUP_TIMEOUT_S, ready_path="/health") as url:
+    server = running_server(cmd, port, log, timeout=STARTUP_TIMEOUT_S, ready_path="/health")
+    with server as (url, _pid):
         yield url
 
 

@@ -12,7 +12,7 @@ over K and the one rounding of the output to bf16:
     |y - y64| <= 2^-8 |y64| + (K + 2) 2^-24 sum_k |w_k x_k|
 (2^-8: bf16's half ulp is 2^-9 relative, doubled for the rounding of the float32 sum's error).
 
-The AMX kernel's bound (`amx_bound`): w_k = s_k q_k + m_k with s, m the group's scale and min.
+The bound of the AMX and VNNI kernels (`amx_bound`; they quantize the activations alike): w_k = s_k q_k + m_k with s, m the group's scale and min.
 It quantizes each activation row per 32-column block b to xq = round(x / d_b), d_b = max|x_b| /
 127, so |x_k - d_b xq_k| <= d_b / 2; the int8 products and their int32 block sums are exact
 (|sum| <= 32 * 127 * 128 < 2^24, so also exact in float32); the min term uses the bf16
@@ -44,6 +44,12 @@ needs_native = pytest.mark.skipif(
     not quant_kernels.native_available(), reason="no C compiler: the quantized kernels are off"
 )
 needs_amx = pytest.mark.skipif(not quant.amx_available(), reason="no AMX-INT8 on this CPU")
+INT8_KERNELS = [  # the kernels that quantize activations to int8 (one bound, `amx_bound`)
+    pytest.param("amx", marks=needs_amx),
+    pytest.param(
+        "vnni", marks=pytest.mark.skipif(not quant.vnni_available(), reason="no AVX512-VNNI")
+    ),
+]
 
 
 def gguf_tensor(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -117,13 +123,14 @@ def test_kernel_matches_float64_matmul(kind: str) -> None:
                 assert_within_bound(y, x, w64, reference(x, w64, b))
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
 @pytest.mark.parametrize("kind", GGUF_TYPES)
-def test_amx_kernel_matches_float64_matmul(kind: str) -> None:
-    """The AMX kernel within `amx_bound`: weight rows crossing its 16-row tiles (1, 17, 33),
-    inputs crossing its 64-byte rows (32, 96, 544 columns: a 32-column tail) or several
-    super-blocks, activation rows crossing its 16-row tiles and 32-row passes. Activations with
-    a few large values per row, as a model's have, so that a block's scale is not the row's."""
+def test_int8_kernels_match_float64_matmul(kind: str, kernel: str) -> None:
+    """The AMX and VNNI kernels within `amx_bound`: weight rows crossing AMX's 16-row tiles and
+    VNNI's 4-row ones (1, 17, 33), inputs crossing their 64-byte rows (32, 96, 544 columns: a
+    32-column tail) or several super-blocks, activation rows crossing AMX's 16-row tiles and
+    32-row passes and VNNI's 4-row passes. Activations with a few large values per row, as a
+    model's have, so that a block's scale is not the row's."""
     torch.manual_seed(0)
     for cols in (256, 768) if kind in SUPER else (32, 96, 544):
         for rows in (1, 17, 33):
@@ -135,49 +142,61 @@ def test_amx_kernel_matches_float64_matmul(kind: str) -> None:
                 x[:, ::97] *= 20
                 x = x.bfloat16()
                 b = bias if m % 2 else None
-                y = quant_kernels.kernel_linear(x, weight, b, amx=True)
+                y = quant_kernels.kernel_linear(x, weight, b, kernel)
                 assert y.dtype == torch.bfloat16 and y.shape == (m, rows)
                 y64 = reference(x, w64, b)
                 excess = ((y.double() - y64).abs() / amx_bound(x, weight, y64)).max().item()
                 assert excess <= 1.0, f"{kind} {cols} {rows} {m}: {excess:.2f}x the bound"
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
-def test_amx_kernel_keeps_non_finite_rows_non_finite(kind: str) -> None:
+def test_int8_kernels_keep_non_finite_rows_non_finite(kind: str, kernel: str) -> None:
     """A NaN or an infinity in an activation row makes that row's outputs non-finite (the
     engine fails such a request), never finite values made from a saturated int8 code."""
     weight = from_gguf_blocks(gguf_tensor(kind, 20, 96), kind, 96)
     x = torch.randn(4, 96).bfloat16()
     x[1, 40], x[2, 95] = float("nan"), float("inf")
-    y = quant_kernels.kernel_linear(x, weight, None, amx=True)
+    y = quant_kernels.kernel_linear(x, weight, None, kernel)
     assert torch.isfinite(y[[0, 3]]).all()
     assert not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
 
 
 @needs_native
 def test_routing_by_rows() -> None:
-    """bf16 rows take: one row of 4-bit codes the float32 kernel; 8-bit codes, or 4-bit from two
-    rows, the AMX kernel where there is one (else the float32 kernel up to its limit); more
-    than either limit, the dequantized bf16 matmul. Each route gives that kernel's exact output."""
+    """bf16 rows take: VNNI up to its limit (by code bits beside AMX, else MAX_KERNEL_ROWS),
+    then AMX up to MAX_AMX_ROWS, the float32 kernel where neither runs (up to its limit), and
+    beyond every limit the dequantized bf16 matmul. Each route gives that kernel's exact output."""
     q4 = from_gguf_blocks(gguf_tensor("Q4_1", 20, 64), "Q4_1", 64)
     q8 = from_gguf_blocks(gguf_tensor("Q8_0", 20, 64), "Q8_0", 64)
     large = max(quant_kernels.MAX_KERNEL_ROWS, quant_kernels.MAX_AMX_ROWS) + 1
-    amx = quant.amx_available()
-    for weight, rows, route in [
-        (q4, 1, "float"),
-        (q4, 2, "amx" if amx else "float"),
-        (q8, 1, "amx" if amx else "float"),
-        (q8, quant_kernels.MAX_KERNEL_ROWS + 1, "amx" if amx else "dequant"),
-        (q4, large, "dequant"),
-    ]:
+    amx, vnni = quant.amx_available(), quant.vnni_available()
+
+    def expect(bits: int, rows: int) -> str:
+        if vnni and rows <= (quant_kernels.VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
+            return "vnni"
+        if amx and rows <= quant_kernels.MAX_AMX_ROWS:
+            return "amx"
+        return "float" if rows <= MAX_KERNEL_ROWS else "dequant"
+
+    MAX_KERNEL_ROWS = quant_kernels.MAX_KERNEL_ROWS
+    cases = [(q4, 1), (q4, 2), (q4, 5), (q8, 1), (q8, 2), (q8, MAX_KERNEL_ROWS + 1), (q4, large)]
+    for weight, rows in cases:
+        route = expect(weight.bits, rows)
+        assert quant_kernels.route(rows, weight, torch.bfloat16) == route, (weight.bits, rows)
         x = torch.randn(rows, 64).bfloat16()
-        expected = {
-            "float": lambda x=x, w=weight: quant_kernels.kernel_linear(x, w, None),
-            "amx": lambda x=x, w=weight: quant_kernels.kernel_linear(x, w, None, amx=True),
-            "dequant": lambda x=x, w=weight: x @ quant_kernels.dequantize(w, x.dtype).T,
-        }[route]()
+        if route == "dequant":
+            expected = x @ quant_kernels.dequantize(weight, x.dtype).T
+        else:
+            expected = quant_kernels.kernel_linear(x, weight, None, route)
         assert torch.equal(quant_kernels.quant_linear(x, weight, None), expected), (rows, route)
+    if amx and vnni:  # what the limits mean here: decode rows on VNNI, 5 rows of 4 bits on AMX
+        assert [quant_kernels.route(r, q4, torch.bfloat16) for r in (1, 4, 5)] == [
+            "vnni",
+            "vnni",
+            "amx",
+        ]
+    assert quant_kernels.route(3, q4, torch.float32) == "float"
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
@@ -213,21 +232,30 @@ def test_unsupported_block_type_is_named() -> None:
 @needs_native
 def test_int8_per_channel() -> None:
     """Each row's largest |w| is code 127; every value within half a step of its row's scale;
-    the kernel within the bound of its float64 matmul."""
+    the kernels within the bounds of its float64 matmul (96 columns: a group VNNI does not
+    take, as `vnni_takes` says; 128: one it does)."""
+    for cols in (96, 128):
+        check_int8_per_channel(cols)
+
+
+def check_int8_per_channel(cols: int) -> None:
     torch.manual_seed(1)
-    w = torch.randn(37, 96) * torch.linspace(0.01, 3.0, 37)[:, None]
+    w = torch.randn(37, cols) * torch.linspace(0.01, 3.0, 37)[:, None]
     q = quantize_int8(w)
     codes = q.int_codes()
     assert (codes.abs().amax(dim=1) == 127).all()
     step = q.scales[:, :1].double()
     assert ((q.dequantize(torch.float64) - w.double()).abs() <= step / 2 + 1e-6 * step).all()
-    x = torch.randn(5, 96).bfloat16()
+    x = torch.randn(5, cols).bfloat16()
     w64 = q.dequantize(torch.float64)
     y64 = reference(x, w64, None)
     assert_within_bound(quant_kernels.kernel_linear(x, q, None), x, w64, y64)
-    if quant.amx_available():  # one group a row: the whole row in the tile unit's sums
-        y = quant_kernels.kernel_linear(x, q, None, amx=True).double()
-        assert ((y - y64).abs() <= amx_bound(x, q, y64)).all()
+    vnni = quant.vnni_available() and quant.vnni_takes(8, cols)
+    assert quant.vnni_takes(8, cols) == (cols == 128)
+    int8 = [k for k, ok in (("amx", quant.amx_available()), ("vnni", vnni)) if ok]
+    for kernel in int8:  # one group a row: the whole row in the kernel's sums
+        y = quant_kernels.kernel_linear(x, q, None, kernel).double()
+        assert ((y - y64).abs() <= amx_bound(x, q, y64)).all(), kernel
 
 
 def test_quantized_embedding_rows() -> None:

@@ -22,11 +22,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.model import quant_kernels, resolve_model
+from kvflow.model.quant_format import from_gguf_blocks
 
 PROMPTS = [
     "The capital of France is",
@@ -110,11 +112,16 @@ def embedded_f32() -> Run:
     return run(None, quantization="none", dtype="float32")
 
 
-def test_embedded_gguf_served_quantized(embedded_f32: Run) -> None:
+@pytest.mark.parametrize("route", ["amx", "vnni"])
+def test_embedded_gguf_served_quantized(embedded_f32: Run, route: str) -> None:
     """`--quantization gguf`: the GGUF's blocks as stored, bf16 activations, steps of at most
-    MAX_AMX_ROWS tokens: every row through the decode kernels (on AMX: activations quantized
-    to int8 per 32 columns), not the dequantized layers a long prompt takes."""
-    chunk = quant_kernels.MAX_AMX_ROWS
+    MAX_AMX_ROWS tokens (AMX's rows where it runs) or VNNI_ROWS[4] (the VNNI kernel's, as a
+    lone request's decode steps take): every row through the decode kernels (activations
+    quantized to int8 per 32 columns), not the dequantized layers a long prompt takes."""
+    chunk = quant_kernels.MAX_AMX_ROWS if route == "amx" else quant_kernels.VNNI_ROWS[4]
+    weight = from_gguf_blocks(np.zeros((1, 20 * 2), np.uint8), "Q4_1", 64)
+    if quant_kernels.route(chunk, weight, torch.bfloat16) != route:
+        pytest.skip(f"{chunk} rows of 4-bit codes do not take {route} on this CPU")
     ours = run(None, embedded_f32, quantization="gguf", max_num_batched_tokens=chunk)
     assert_agree(ours, embedded_f32)
 

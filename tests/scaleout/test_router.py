@@ -124,12 +124,15 @@ def test_completions_and_chat_streaming_and_not_through_the_router(cluster):
         out = client.completions.create(model=MODEL, prompt="The capital of France is",
                                         max_tokens=8, temperature=0)  # fmt: skip
         assert out.choices[0].text and out.usage.completion_tokens == 8
-        chat = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8
+        chat = client.chat.completions.create(  # greedy: a sampled first end-of-text is no text
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hi"}],
+            max_tokens=8,
+            temperature=0,
         )
         assert chat.choices[0].message.content
         chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time",
-                                                max_tokens=8, stream=True))  # fmt: skip
+                                                max_tokens=8, stream=True, temperature=0))  # fmt: skip
         assert "".join(c.choices[0].text for c in chunks if c.choices)
         assert chunks[-1].choices[0].finish_reason == "length"
         stream = client.chat.completions.create(
@@ -137,6 +140,7 @@ def test_completions_and_chat_streaming_and_not_through_the_router(cluster):
             messages=[{"role": "user", "content": "Count to three"}],
             max_tokens=8,
             stream=True,
+            temperature=0,
         )
         deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
         assert "".join(deltas)
@@ -207,9 +211,10 @@ def test_failover_kill_a_replica_under_load_then_restart_it(cluster):
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(10)
     # non-streaming requests sent now: the router retries a failed one on the live replica
-    for i in range(6):
-        out = client.completions.create(model=MODEL, prompt=f"Question {i}?", max_tokens=4)
-        assert out.choices[0].text
+    for i in range(6):  # ignore_eos: a sampled end-of-text first would answer no text
+        out = client.completions.create(model=MODEL, prompt=f"Question {i}?", max_tokens=4,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
     for t in threads:
         t.join(300)
     assert None not in results, (progress, results)

@@ -133,10 +133,10 @@ def running_server(
     timeout: float = 300.0,
     ready_path: str = "/v1/models",
     env: dict[str, str] | None = None,
-) -> Iterator[str]:
+) -> Iterator[tuple[str, int]]:
     """Start `argv` (own process group, output appended to `log`), wait until GET `ready_path`
-    on 127.0.0.1:`port` answers 200, and yield the base URL; the server is stopped however the
-    block ends."""
+    on 127.0.0.1:`port` answers 200, and yield (the base URL, the process id); the server is
+    stopped however the block ends."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as sink:
         proc = subprocess.Popen(
@@ -149,6 +149,22 @@ def running_server(
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url + ready_path, timeout, log)
-        yield url
+        yield url, proc.pid
     finally:
         stop_process(proc)
+
+
+def resident_bytes(pid: int) -> int:
+    """The memory a process and its descendants hold: the sum of their proportional set sizes
+    (Pss: a page shared by n of them counts 1/n in each), 0 for processes gone meanwhile."""
+    total, todo = 0, [pid]
+    while todo:
+        at = todo.pop()
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{at}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+            for task in Path(f"/proc/{at}/task").iterdir():
+                todo += [int(p) for p in (task / "children").read_text().split()]
+    return total

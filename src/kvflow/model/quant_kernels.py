@@ -1,12 +1,13 @@
 """Which kernel runs a layer's quantized weight (`QuantizedWeight`, `Fp8Weight`), and the
 quantized embedding lookup. The CPU kernels themselves are kvflow.kernels.cpu.quant.
 
-For bf16 activations on a CPU with AMX: 8-bit codes at any batch up to `MAX_AMX_ROWS`, 4-bit
-codes from two rows, take the AMX-INT8 kernel (activations quantized to int8 per 32 columns);
-one row of 4-bit codes takes the float32 kernel (codes widened in registers, faster there);
-without AMX, the float32 kernel takes up to `MAX_KERNEL_ROWS` rows (its cost grows with each
-row). Larger batches (prompts) dequantize the weight to bf16 and run the bf16 matmul, which is
-faster there (benchmarks/quant_matmul.py; RESULTS.md).
+For bf16 activations (`route`): a few rows (decode) take the AVX512-VNNI kernel, up to
+`VNNI_ROWS[bits]` where AMX is beside it and up to `MAX_KERNEL_ROWS` where it is not; more rows,
+up to `MAX_AMX_ROWS`, take the AMX-INT8 kernel (both quantize the activations to int8 per 32
+columns). Without either, the float32 kernel (codes widened in registers) takes up to
+`MAX_KERNEL_ROWS` rows, as it does for float32 activations. Larger batches (prompts) dequantize
+the weight to bf16 and run the bf16 matmul, which is faster there. The limits are measured
+(benchmarks/quant_matmul.py; RESULTS.md).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from kvflow.kernels.cpu import quant
 from kvflow.model.fp8_linear import Fp8Weight, fp8_linear
 from kvflow.model.quant_format import QuantizedWeight
 
-MAX_KERNEL_ROWS = 16  # rows the float32 kernel takes without AMX
+MAX_KERNEL_ROWS = 16  # rows the float32 and VNNI kernels take without AMX
 MAX_AMX_ROWS = 64  # rows the AMX kernel takes; more: dequantize, then bf16 matmul
+VNNI_ROWS = {4: 4, 8: 1}  # rows the VNNI kernel takes beside AMX, by code bits
 
 
 def native_available() -> bool:
@@ -27,24 +29,33 @@ def native_available() -> bool:
     return quant.native_available()
 
 
-def uses_amx(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> bool:
-    """Whether `rows` activation rows of `dtype` take the AMX kernel for `weight`."""
-    if dtype != torch.bfloat16 or rows > MAX_AMX_ROWS or (weight.bits == 4 and rows == 1):
-        return False
-    return quant.amx_available() and quant.amx_takes(weight.group)
+def route(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> str:
+    """The kernel `rows` activation rows of `dtype` take against `weight`: "vnni", "amx",
+    "float" or "dequant" (see the module's doc)."""
+    if not native_available() or dtype not in (torch.bfloat16, torch.float32):
+        return "dequant"
+    amx = dtype == torch.bfloat16 and quant.amx_available() and quant.amx_takes(weight.group)
+    if dtype == torch.bfloat16 and quant.vnni_available():
+        if quant.vnni_takes(weight.bits, weight.group):
+            if rows <= (VNNI_ROWS[weight.bits] if amx else MAX_KERNEL_ROWS):
+                return "vnni"
+    if amx and rows <= MAX_AMX_ROWS:
+        return "amx"
+    return "float" if rows <= MAX_KERNEL_ROWS else "dequant"
 
 
 def kernel_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, amx: bool = False
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: str = "float"
 ) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias) -> [M, N] by a native kernel reading the codes in place: the
-    float32 one (x, bias and the result all bf16 or all float32) or, `amx`, the AMX-INT8 one
-    (bf16; check `uses_amx` first)."""
+    """x [M, K] @ weight.T (+ bias) -> [M, N] by a native kernel reading the codes in place:
+    "float" (x, bias and the result all bf16 or all float32), "amx" or "vnni" (bf16; check
+    `route` first)."""
     parts = (weight.codes, weight.scales)
-    if amx:
-        mins = weight.mins if weight.has_mins else None
-        return quant.linear_amx(x, *parts, mins, weight.bits, weight.group, bias)
-    return quant.linear(x, *parts, weight.mins, weight.bits, weight.group, bias)
+    if kernel == "float":
+        return quant.linear(x, *parts, weight.mins, weight.bits, weight.group, bias)
+    mins = weight.mins if weight.has_mins else None
+    run = quant.linear_amx if kernel == "amx" else quant.linear_vnni
+    return run(x, *parts, mins, weight.bits, weight.group, bias)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -59,14 +70,11 @@ def quant_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype (see the module's routing)."""
-    rows = x.shape[0]
     bias = None if bias is None else bias.to(x.dtype)
-    if uses_amx(rows, weight, x.dtype):
-        return kernel_linear(x, weight, bias, amx=True)
-    small = rows <= MAX_KERNEL_ROWS
-    if small and x.dtype in (torch.bfloat16, torch.float32) and native_available():
-        return kernel_linear(x, weight, bias)
-    return F.linear(x, dequantize(weight, x.dtype), bias)
+    kernel = route(x.shape[0], weight, x.dtype)
+    if kernel == "dequant":
+        return F.linear(x, dequantize(weight, x.dtype), bias)
+    return kernel_linear(x, weight, bias, kernel)
 
 
 Quantized = QuantizedWeight | Fp8Weight  # what a layer's `quant` holds

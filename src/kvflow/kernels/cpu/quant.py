@@ -8,6 +8,8 @@ A weight is passed as its parts, in the layout csrc/quant_kernels.c describes: `
 - `linear`: codes widened to float32 in registers (bf16 or float32 activations, exact weights).
 - `linear_amx`: AMX-INT8 tiles with the activations quantized to int8 per 32 columns (bf16
   activations; only where `amx_available()` and `amx_takes(group)`).
+- `linear_vnni`: the same quantization, products by AVX512-VNNI dot products, for a few rows
+  (only where `vnni_available()` and `vnni_takes(bits, group)`).
 - `dequantize`: the weight as bf16 or float32, for a large batch's matmul.
 """
 
@@ -46,13 +48,18 @@ def library() -> ctypes.CDLL | None:
         logger.warning("quantized CPU kernel unavailable (%s): dequantizing per call", detail)
         return None
     ptr, num = ctypes.c_void_p, ctypes.c_int
-    for name in ("kvflow_q_linear", "kvflow_q_linear_f32", "kvflow_q_linear_amx"):
-        getattr(lib, name).restype = None if name != "kvflow_q_linear_amx" else num
+    for name in ("kvflow_q_linear", "kvflow_q_linear_f32"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
+    for name in ("kvflow_q_linear_amx", "kvflow_q_linear_vnni"):  # 0: refused, nothing written
+        getattr(lib, name).restype = num
         getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
     lib.kvflow_q_dequant.restype = None
     lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 2 + [ptr] + [num] * 3
     lib.kvflow_q_amx_init.restype = num
     lib.amx = bool(lib.kvflow_q_amx_init())
+    lib.kvflow_q_vnni_built.restype = num
+    lib.vnni = bool(lib.kvflow_q_vnni_built())
     return lib
 
 
@@ -70,6 +77,17 @@ def amx_available() -> bool:
 def amx_takes(group: int) -> bool:
     """Whether `linear_amx` takes weights with groups of `group` columns."""
     return group == 16 or group % 32 == 0
+
+
+def vnni_available() -> bool:
+    """Whether `linear_vnni` may run here (the library was built with AVX512-VNNI)."""
+    lib = library()
+    return lib is not None and lib.vnni
+
+
+def vnni_takes(bits: int, group: int) -> bool:
+    """Whether `linear_vnni` takes `bits`-bit codes with groups of `group` columns."""
+    return group == 32 if bits == 4 else group in (16, 32) or group % 64 == 0
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -121,10 +139,30 @@ def linear_amx(
     scale per row and 32 columns; `mins` None when every min is zero (it skips their pass)."""
     lib = library()
     assert lib is not None and lib.amx and amx_takes(group), "check amx_available() first"
+    return _int8_linear(lib.kvflow_q_linear_amx, x, codes, scales, mins, bits, group, bias)
+
+
+def linear_vnni(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    group: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """As `linear_amx` (the same quantization of x, so the same error bound), the products by
+    AVX512-VNNI dot products: for a few rows."""
+    lib = library()
+    assert lib is not None and lib.vnni and vnni_takes(bits, group), "check vnni_available()"
+    return _int8_linear(lib.kvflow_q_linear_vnni, x, codes, scales, mins, bits, group, bias)
+
+
+def _int8_linear(kernel, x, codes, scales, mins, bits, group, bias) -> torch.Tensor:
     assert x.dtype == torch.bfloat16
     x = x.contiguous()
     out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
-    done = lib.kvflow_q_linear_amx(
+    done = kernel(
         x.data_ptr(),
         codes.data_ptr(),
         scales.data_ptr(),
@@ -138,7 +176,7 @@ def linear_amx(
         x.shape[1],
     )
     if not done:
-        raise RuntimeError(f"AMX quantized kernel refused K={x.shape[1]}, group={group}")
+        raise RuntimeError(f"int8 quantized kernel refused K={x.shape[1]}, group={group}")
     return out
 
 

@@ -4,6 +4,8 @@
  *                        (kvflow_q_linear_f32: float32 x and y); codes widened in registers
  *   kvflow_q_linear_amx  the same on AMX-INT8 tiles, activations quantized to int8 per 32
  *                        columns (below; returns 0 where the CPU or OS has no AMX)
+ *   kvflow_q_linear_vnni the same quantization on AVX512-VNNI dot products: a few rows
+ *                        (kvflow_q_vnni_built says whether it was built)
  *   kvflow_q_dequant     w[N, K] -> bf16 (prefill: a large batch runs the bf16 matmul on it)
  *
  * The weight layout (made once by kvflow/model/quant_format.py from GGUF blocks or a float
@@ -233,6 +235,240 @@ void kvflow_q_dequant(const uint8_t *codes, const float *scales, const float *mi
         }
     }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* A few activation rows (decode) on AVX512-VNNI (kvflow_q_linear_vnni): the activations are
+ * quantized to int8 once a call, with one float32 scale per row and 32 columns (as for AMX, so
+ * the same error bound holds), and each weight row's codes meet them in vpdpbusd, 64 products an
+ * instruction, summed in int32 per 4 columns; each int32 lane is then scaled (weight scale x
+ * activation scale) into float32 accumulators. Per 64 codes that is a handful of instructions
+ * where widening to float32 takes about twenty, so the kernel reads its weights at the speed
+ * memory delivers them instead of waiting on arithmetic.
+ *
+ *   4-bit codes (group 32): 64 bytes are 4 blocks of 32 columns; their low nibbles (columns
+ *     c .. c + 15 of each block) and high nibbles (c + 16 ..) are two vectors of unsigned bytes
+ *     as loaded, so the activations are laid out to match: per 128 columns, 64 bytes holding
+ *     each block's first 16 values, then 64 holding each block's last 16 (`vnni_prepare`).
+ *   8-bit codes (signed): vpdpbusd multiplies unsigned by signed bytes, so it takes |code| and
+ *     the activation with the code's sign; the activations stay in column order.
+ * Mins (Q4_1, Q4_K, Q5_K) add sum_g min[n, g] * (the float sum of x over group g). */
+#define VNNI_MAX_ROWS 4 /* activation rows a pass over a weight tile (accumulators in registers) */
+
+struct vnni_x {
+    const int8_t *q;  /* [M][stride] */
+    const float *dl;  /* [M][lanes]: the activation scale of each int32 lane of a product */
+    const float *xs;  /* [M][groups]: float sums per weight group (mins only) */
+    long stride, lanes;
+};
+
+/* Quantizes x [M, K] (bf16) into `X`'s buffers (zeroed by the caller, padding included). */
+static void vnni_prepare(const uint16_t *x, int M, int K, int bits, int group, int8_t *q,
+                         float *dl, float *xs, long stride, long lanes) {
+    int groups = K / group;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < K / 32; b++) {
+            const uint16_t *at = x + (long)m * K + b * 32;
+            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
+            __m512 big = _mm512_set1_ps(3.4e38f); /* above bf16's largest finite value */
+            __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)); /* max drops NaN: */
+            int finite = !(_mm512_cmp_ps_mask(alo, big, _CMP_NLE_UQ) |
+                           _mm512_cmp_ps_mask(ahi, big, _CMP_NLE_UQ));
+            float d = finite ? amax / 127.0f : __builtin_nanf(""), inv = 0.0f;
+            if (finite && amax > 0.0f) inv = 127.0f / amax;
+            __m512 scale = _mm512_set1_ps(inv);
+            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)));
+            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale)));
+            int8_t *row = q + (long)m * stride;
+            float *lane = dl + (long)m * lanes;
+            if (bits == 4) { /* block b: 16 bytes at 128 s + 16 i, and 64 bytes further on */
+                long s = b / 4, i = b % 4;
+                _mm_storeu_si128((__m128i *)(row + 128 * s + 16 * i), q0);
+                _mm_storeu_si128((__m128i *)(row + 128 * s + 64 + 16 * i), q1);
+                for (int j = 0; j < 4; j++) lane[16 * s + 4 * i + j] = d;
+            } else { /* column order; lanes 8 b .. 8 b + 7 cover the block */
+                _mm_storeu_si128((__m128i *)(row + 32 * b), q0);
+                _mm_storeu_si128((__m128i *)(row + 32 * b + 16), q1);
+                for (int j = 0; j < 8; j++) lane[8 * b + j] = d;
+            }
+            if (xs == NULL) continue;
+            float *sums = xs + (long)m * groups;
+            if (group == 16) {
+                sums[2 * b] = _mm512_reduce_add_ps(lo);
+                sums[2 * b + 1] = _mm512_reduce_add_ps(hi);
+            } else {
+                sums[b * 32 / group] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            }
+        }
+}
+
+/* out[r * mb + m] = row r of the weight tile . activation row m0 + m, for r < nr, m < mb
+ * (compile-time constants after inlining: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void vnni_tile(
+    const uint8_t *codes, long row_bytes, const float *sc, const float *mn, int group, int bits,
+    int K, const struct vnni_x *X, int m0, int nr, int mb, float *out) {
+    int groups = K / group;
+    __m512 acc[4][VNNI_MAX_ROWS];
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mb; m++) acc[r][m] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    if (bits == 4) {
+        const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        for (long s = 0; s * 64 < row_bytes; s++) {
+            long bytes = row_bytes - s * 64 < 64 ? row_bytes - s * 64 : 64;
+            __mmask64 keep = bytes == 64 ? ~0ull : (1ull << bytes) - 1;
+            __mmask16 blocks = (__mmask16)((1u << (bytes / 16)) - 1);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *at = codes + r * row_bytes + s * 64;
+                const float *sat = sc + r * groups + 4 * s;
+                __m512i v = bytes == 64 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(keep, at);
+                __m512i lo = _mm512_and_si512(v, low);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                __m512 sv = _mm512_permutexvar_ps(
+                    idx, bytes == 64 ? _mm512_castps128_ps512(_mm_loadu_ps(sat))
+                                     : _mm512_maskz_loadu_ps(blocks, sat));
+                for (int m = 0; m < mb; m++) {
+                    const int8_t *xq = X->q + (long)(m0 + m) * X->stride + 128 * s;
+                    __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                    _mm512_loadu_si512(xq));
+                    d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xq + 64));
+                    __m512 dl = _mm512_loadu_ps(X->dl + (long)(m0 + m) * X->lanes + 16 * s);
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, dl),
+                                                acc[r][m]);
+                }
+            }
+        }
+    } else {
+        int span = group < 64 ? group : 64; /* columns a scale covers within 64 */
+        __m512i idx = _mm512_srli_epi32(
+            _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                               1, 0), 2),
+            __builtin_ctz(span)); /* lane j covers columns 4 j .. 4 j + 3 */
+        for (long s = 0; s * 64 < K; s++) {
+            long bytes = K - s * 64 < 64 ? K - s * 64 : 64;
+            __mmask64 keep = bytes == 64 ? ~0ull : (1ull << bytes) - 1;
+            __mmask16 used = (__mmask16)((1u << ((bytes + span - 1) / span)) - 1);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *at = codes + r * row_bytes + s * 64;
+                const float *sat = sc + r * groups + s * 64 / group;
+                __m512i w = bytes == 64 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(keep, at);
+                __m512i aw = _mm512_abs_epi8(w);
+                __mmask64 neg = _mm512_movepi8_mask(w);
+                __m512 sv = _mm512_permutexvar_ps(idx, bytes < 64 ? _mm512_maskz_loadu_ps(used, sat)
+                                                       : span == 16 ? _mm512_castps128_ps512(_mm_loadu_ps(sat))
+                                                       : span == 32 ? _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)sat)))
+                                                                    : _mm512_set1_ps(*sat));
+                for (int m = 0; m < mb; m++) {
+                    __m512i xv = _mm512_loadu_si512(X->q + (long)(m0 + m) * X->stride + 64 * s);
+                    xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                    __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xv);
+                    __m512 dl = _mm512_loadu_ps(X->dl + (long)(m0 + m) * X->lanes + 16 * s);
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, dl),
+                                                acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mb; m++) {
+            float total = _mm512_reduce_add_ps(acc[r][m]);
+            if (mn != NULL && X->xs != NULL) {
+                const float *xs = X->xs + (long)(m0 + m) * groups;
+                __m512 t = _mm512_setzero_ps();
+                for (int g = 0; g < groups; g += 16) {
+                    __mmask16 k = groups - g < 16 ? (__mmask16)((1u << (groups - g)) - 1) : 0xffff;
+                    t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mn + r * groups + g),
+                                        _mm512_maskz_loadu_ps(k, xs + g), t);
+                }
+                total += _mm512_reduce_add_ps(t);
+            }
+            out[r * mb + m] = total;
+        }
+}
+
+#define VNNI_AHEAD 8 /* tiles ahead whose bytes each tile asks the cache for */
+
+static inline void vnni_prefetch(const void *at, long bytes) {
+    const char *p = (const char *)((uintptr_t)at & ~(uintptr_t)63);
+    for (; p < (const char *)at + bytes; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
+#define VNNI_TILE(NR, MB)                                                                      \
+    vnni_tile(codes + n * row_bytes, row_bytes, scales + n * groups,                           \
+              mins ? mins + n * groups : NULL, group, bits, K, &X, m0, NR, MB, out)
+
+/* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL); mins NULL when every min is
+ * zero. Needs K a multiple of 32 and group 32 (4-bit) or 16, 32 or a multiple of 64 (8-bit);
+ * returns 0 (nothing written) when it cannot run. */
+int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const float *scales,
+                         const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
+                         int M, int N, int K) {
+    if (K % 32 || K % group || (bits == 4 && group != 32) ||
+        (bits == 8 && group != 16 && group != 32 && group % 64))
+        return 0;
+    long stride = bits == 4 ? (K + 127) / 128 * 128 : (K + 63) / 64 * 64;
+    long lanes = bits == 4 ? stride / 8 : stride / 4, groups = K / group;
+    long row_bytes = bits == 4 ? K / 2 : K;
+    int8_t *q = calloc((size_t)M * stride, 1);
+    float *dl = calloc((size_t)M * lanes, sizeof(float));
+    float *xs = mins ? calloc((size_t)M * groups, sizeof(float)) : NULL;
+    if (q == NULL || dl == NULL || (mins && xs == NULL)) return free(q), free(dl), free(xs), 0;
+    vnni_prepare(x, M, K, bits, group, q, dl, xs, stride, lanes);
+    struct vnni_x X = {q, dl, xs, stride, lanes};
+    int nr = M == 1 ? 4 : M == 2 ? 2 : 1; /* weight rows a tile */
+    int tiles = (N + nr - 1) / nr;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * nr, rows = N - n0 < nr ? N - n0 : nr;
+        int r_n = rows == nr ? nr : 1; /* a last partial tile: its rows one by one */
+        float out[4 * VNNI_MAX_ROWS];
+        if (t + VNNI_AHEAD < tiles) { /* loads waited on memory more without (RESULTS.md) */
+            long ahead = (long)(t + VNNI_AHEAD) * nr;
+            int last = ahead + nr > N ? N : (int)ahead + nr;
+            vnni_prefetch(codes + ahead * row_bytes, (last - ahead) * row_bytes);
+            vnni_prefetch(scales + ahead * groups, (last - ahead) * groups * 4);
+            if (mins) vnni_prefetch(mins + ahead * groups, (last - ahead) * groups * 4);
+        }
+        for (int m0 = 0; m0 < M; m0 += VNNI_MAX_ROWS) {
+            int mb = M - m0 < VNNI_MAX_ROWS ? M - m0 : VNNI_MAX_ROWS;
+            for (int r0 = 0; r0 < rows; r0 += r_n) {
+                long n = n0 + r0;
+                if (r_n == 4) VNNI_TILE(4, 1);
+                else if (r_n == 2) VNNI_TILE(2, 2);
+                else switch (mb) {
+                    case 1: VNNI_TILE(1, 1); break;
+                    case 2: VNNI_TILE(1, 2); break;
+                    case 3: VNNI_TILE(1, 3); break;
+                    default: VNNI_TILE(1, 4); break;
+                }
+                for (int r = 0; r < r_n; r++) {
+                    float b = bias == NULL ? 0.0f : bf16_to_float(bias[n + r]);
+                    for (int m = 0; m < mb; m++)
+                        y[(long)(m0 + m) * N + n + r] = float_to_bf16(out[r * mb + m] + b);
+                }
+            }
+        }
+    }
+    free(q);
+    free(dl);
+    free(xs);
+    return 1;
+}
+
+int kvflow_q_vnni_built(void) { return 1; }
+#else
+int kvflow_q_vnni_built(void) { return 0; }
+int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const float *scales,
+                         const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
+                         int M, int N, int K) {
+    (void)x, (void)codes, (void)scales, (void)mins, (void)bits, (void)group, (void)bias, (void)y;
+    (void)M, (void)N, (void)K;
+    return 0;
+}
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 /* Batches on AMX's int8 unit (kvflow_q_linear_amx). The codes are the tiles (16 weight rows x 32
