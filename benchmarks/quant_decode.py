@@ -25,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch  # noqa: E402
 
 from kvflow import LLM, SamplingParams  # noqa: E402
-from kvflow.kernels.cpu import attention, linear, ops, quant  # noqa: E402
+from kvflow.kernels.cpu import attention, ops, quant  # noqa: E402
+from kvflow.model import linear  # noqa: E402  (it calls bf16_linear by its own name)
 
 NATIVE = {
     linear: ["bf16_linear"],
     attention: ["paged_attention"],
     ops: ["rms_norm", "rotary_", "silu_mul"],
-    quant: ["linear", "linear_amx", "dequantize"],
+    quant: ["linear", "linear_int8", "dequantize"],
 }
 
 

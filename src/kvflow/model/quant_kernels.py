@@ -54,8 +54,7 @@ def kernel_linear(
     if kernel == "float":
         return quant.linear(x, *parts, weight.mins, weight.bits, weight.group, bias)
     mins = weight.mins if weight.has_mins else None
-    run = quant.linear_amx if kernel == "amx" else quant.linear_vnni
-    return run(x, *parts, mins, weight.bits, weight.group, bias)
+    return quant.linear_int8(kernel, x, *parts, mins, weight.bits, weight.group, bias)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

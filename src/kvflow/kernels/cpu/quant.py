@@ -6,10 +6,9 @@ A weight is passed as its parts, in the layout csrc/quant_kernels.c describes: `
 [N, K / group]; w[n, k] = scales[n, k / group] * code[n, k] + mins[n, k / group].
 
 - `linear`: codes widened to float32 in registers (bf16 or float32 activations, exact weights).
-- `linear_amx`: AMX-INT8 tiles with the activations quantized to int8 per 32 columns (bf16
-  activations; only where `amx_available()` and `amx_takes(group)`).
-- `linear_vnni`: the same quantization, products by AVX512-VNNI dot products, for a few rows
-  (only where `vnni_available()` and `vnni_takes(bits, group)`).
+- `linear_int8`: the activations quantized to int8 per 32 columns (bf16), the products on
+  AMX-INT8 tiles (only where `amx_available()` and `amx_takes(group)`) or AVX512-VNNI dot
+  products (a few rows; only where `vnni_available()` and `vnni_takes(bits, group)`).
 - `dequantize`: the weight as bf16 or float32, for a large batch's matmul.
 """
 
@@ -69,24 +68,24 @@ def native_available() -> bool:
 
 
 def amx_available() -> bool:
-    """Whether `linear_amx` may run here."""
+    """Whether `linear_int8` may run on "amx" here."""
     lib = library()
     return lib is not None and lib.amx
 
 
 def amx_takes(group: int) -> bool:
-    """Whether `linear_amx` takes weights with groups of `group` columns."""
+    """Whether `linear_int8` on "amx" takes weights with groups of `group` columns."""
     return group == 16 or group % 32 == 0
 
 
 def vnni_available() -> bool:
-    """Whether `linear_vnni` may run here (the library was built with AVX512-VNNI)."""
+    """Whether `linear_int8` may run on "vnni" here (the library was built with AVX512-VNNI)."""
     lib = library()
     return lib is not None and lib.vnni
 
 
 def vnni_takes(bits: int, group: int) -> bool:
-    """Whether `linear_vnni` takes `bits`-bit codes with groups of `group` columns."""
+    """Whether `linear_int8` on "vnni" takes `bits`-bit codes with groups of `group` columns."""
     return group == 32 if bits == 4 else group in (16, 32) or group % 64 == 0
 
 
@@ -126,7 +125,8 @@ def linear(
     return out
 
 
-def linear_amx(
+def linear_int8(
+    kernel: str,
     x: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -135,34 +135,21 @@ def linear_amx(
     group: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x [M, K] @ w.T (+ bias) -> [M, N], all bf16, on AMX-INT8: x quantized to int8 with a
-    scale per row and 32 columns; `mins` None when every min is zero (it skips their pass)."""
+    """x [M, K] @ w.T (+ bias) -> [M, N], all bf16, x quantized to int8 with a scale per row and
+    32 columns, the products on `kernel`: "amx" (AMX-INT8 tiles) or "vnni" (AVX512-VNNI dot
+    products, for a few rows); the same quantization, so the same error bound. `mins` None when
+    every min is zero (it skips their pass)."""
     lib = library()
-    assert lib is not None and lib.amx and amx_takes(group), "check amx_available() first"
-    return _int8_linear(lib.kvflow_q_linear_amx, x, codes, scales, mins, bits, group, bias)
-
-
-def linear_vnni(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor | None,
-    bits: int,
-    group: int,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """As `linear_amx` (the same quantization of x, so the same error bound), the products by
-    AVX512-VNNI dot products: for a few rows."""
-    lib = library()
-    assert lib is not None and lib.vnni and vnni_takes(bits, group), "check vnni_available()"
-    return _int8_linear(lib.kvflow_q_linear_vnni, x, codes, scales, mins, bits, group, bias)
-
-
-def _int8_linear(kernel, x, codes, scales, mins, bits, group, bias) -> torch.Tensor:
-    assert x.dtype == torch.bfloat16
+    assert lib is not None and x.dtype == torch.bfloat16
+    if kernel == "amx":
+        assert lib.amx and amx_takes(group), "check amx_available() first"
+        run = lib.kvflow_q_linear_amx
+    else:
+        assert lib.vnni and vnni_takes(bits, group), "check vnni_available() first"
+        run = lib.kvflow_q_linear_vnni
     x = x.contiguous()
     out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
-    done = kernel(
+    done = run(
         x.data_ptr(),
         codes.data_ptr(),
         scales.data_ptr(),
@@ -176,7 +163,7 @@ def _int8_linear(kernel, x, codes, scales, mins, bits, group, bias) -> torch.Ten
         x.shape[1],
     )
     if not done:
-        raise RuntimeError(f"int8 quantized kernel refused K={x.shape[1]}, group={group}")
+        raise RuntimeError(f"{kernel} quantized kernel refused K={x.shape[1]}, group={group}")
     return out
 
 

@@ -236,6 +236,42 @@ void kvflow_q_dequant(const uint8_t *codes, const float *scales, const float *mi
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The activations' int8 blocks, as the VNNI and AMX kernels take them: 32 bf16 columns at `at`
+ * as float32 (lo: columns 0-15, hi: 16-31) and rounded to int8 (q0, q1) from x / d, d = max |x|
+ * / 127, which is returned: NaN when the block holds a NaN or an infinity, so that what it
+ * scales is not finite either. */
+static inline float quantize_block(const uint16_t *at, __m512 *lo, __m512 *hi, __m128i *q0,
+                                   __m128i *q1) {
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+    *hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
+    __m512 big = _mm512_set1_ps(3.4e38f); /* above bf16's largest finite value */
+    __m512 alo = _mm512_abs_ps(*lo), ahi = _mm512_abs_ps(*hi);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)); /* max drops NaN: */
+    int finite = !(_mm512_cmp_ps_mask(alo, big, _CMP_NLE_UQ) |
+                   _mm512_cmp_ps_mask(ahi, big, _CMP_NLE_UQ));
+    float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512 scale = _mm512_set1_ps(inv);
+    *q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(*lo, scale)));
+    *q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(*hi, scale)));
+    return finite ? amax / 127.0f : __builtin_nanf("");
+}
+
+/* Block b's float sums into sums[g * stride] for the weight groups g it covers (the mins' term):
+ * two groups of 16, or a part of one group of 32 or more (sums zeroed by the caller). */
+static inline void add_block_sums(__m512 lo, __m512 hi, int group, int b, float *sums,
+                                  long stride) {
+    if (group == 16) {
+        sums[2 * b * stride] = _mm512_reduce_add_ps(lo);
+        sums[(2 * b + 1) * stride] = _mm512_reduce_add_ps(hi);
+    } else {
+        sums[(long)(b * 32 / group) * stride] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* A few activation rows (decode) on AVX512-VNNI (kvflow_q_linear_vnni): the activations are
  * quantized to int8 once a call, with one float32 scale per row and 32 columns (as for AMX, so
@@ -268,20 +304,9 @@ static void vnni_prepare(const uint16_t *x, int M, int K, int bits, int group, i
     for (int m = 0; m < M; m++)
         for (int b = 0; b < K / 32; b++) {
             const uint16_t *at = x + (long)m * K + b * 32;
-            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
-            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
-            __m512 big = _mm512_set1_ps(3.4e38f); /* above bf16's largest finite value */
-            __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)); /* max drops NaN: */
-            int finite = !(_mm512_cmp_ps_mask(alo, big, _CMP_NLE_UQ) |
-                           _mm512_cmp_ps_mask(ahi, big, _CMP_NLE_UQ));
-            float d = finite ? amax / 127.0f : __builtin_nanf(""), inv = 0.0f;
-            if (finite && amax > 0.0f) inv = 127.0f / amax;
-            __m512 scale = _mm512_set1_ps(inv);
-            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)));
-            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale)));
+            __m512 lo, hi;
+            __m128i q0, q1;
+            float d = quantize_block(at, &lo, &hi, &q0, &q1);
             int8_t *row = q + (long)m * stride;
             float *lane = dl + (long)m * lanes;
             if (bits == 4) { /* block b: 16 bytes at 128 s + 16 i, and 64 bytes further on */
@@ -294,14 +319,7 @@ static void vnni_prepare(const uint16_t *x, int M, int K, int bits, int group, i
                 _mm_storeu_si128((__m128i *)(row + 32 * b + 16), q1);
                 for (int j = 0; j < 8; j++) lane[8 * b + j] = d;
             }
-            if (xs == NULL) continue;
-            float *sums = xs + (long)m * groups;
-            if (group == 16) {
-                sums[2 * b] = _mm512_reduce_add_ps(lo);
-                sums[2 * b + 1] = _mm512_reduce_add_ps(hi);
-            } else {
-                sums[b * 32 / group] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-            }
+            if (xs != NULL) add_block_sums(lo, hi, group, b, xs + (long)m * groups, 1);
         }
 }
 
@@ -553,32 +571,16 @@ static void quantize_rows(const uint16_t *x, int M, int K, int group, int8_t *xq
             for (int g = 0; g < groups; g++) sums[g * 16] = 0.0f;
         for (int b = 0; b < blocks; b++) {
             const uint16_t *at = x + (long)m * K + b * 32;
-            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
-            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
-            __m512 big = _mm512_set1_ps(3.4e38f); /* above bf16's largest finite value */
-            __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)); /* max drops NaN: */
-            int finite = !(_mm512_cmp_ps_mask(alo, big, _CMP_NLE_UQ) |
-                           _mm512_cmp_ps_mask(ahi, big, _CMP_NLE_UQ));
-            float d = finite ? amax / 127.0f : __builtin_nanf(""), inv = 0.0f;
-            if (finite && amax > 0.0f) inv = 127.0f / amax;
-            __m512 scale = _mm512_set1_ps(inv);
-            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)));
-            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale)));
+            __m512 lo, hi;
+            __m128i q0, q1;
+            float d = quantize_block(at, &lo, &hi, &q0, &q1);
             uint32_t quads[8];
             memcpy(quads, &q0, 16);
             memcpy(quads + 4, &q1, 16);
             int8_t *to = xq + ((long)(m / 16) * (K / 4) + b * 8) * 64 + (m % 16) * 4;
             for (int i = 0; i < 8; i++) memcpy(to + i * 64, &quads[i], 4);
             dx[((long)(m / 16) * blocks + b) * 16 + m % 16] = d;
-            if (sums && group == 16) {
-                sums[(2 * b) * 16] = _mm512_reduce_add_ps(lo);
-                sums[(2 * b + 1) * 16] = _mm512_reduce_add_ps(hi);
-            } else if (sums) {
-                sums[(b * 32 / group) * 16] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-            }
+            if (sums) add_block_sums(lo, hi, group, b, sums, 16);
         }
     }
 }
