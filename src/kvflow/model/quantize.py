@@ -34,13 +34,13 @@ def resolve_quantization(
     requested: str | None, path: Path, device: str, dtype: torch.dtype = torch.bfloat16
 ) -> str:
     """The method to load `path` with on `device` in `dtype`: `requested`, checked, or the
-    default: `gguf` for a GGUF on the CPU in bf16 (float32 keeps the float32 dequantized
-    model, the reference that transformers computes). ValueError naming the flag when the
-    combination cannot run."""
+    default, `none` for every model (the quantized paths stay opt-in until one is the measured
+    default; README, "Quantized weights"). ValueError naming the flag when the combination
+    cannot run."""
     on_cuda = str(device).startswith("cuda")
     is_gguf = source_gguf(path) is not None
     if requested is None:
-        return "none"  # the quantized path is opt-in until it is the measured default
+        return "none"
     if requested not in METHODS:
         raise ValueError(f"Unknown quantization {requested!r}; choose one of {', '.join(METHODS)}.")
     if requested == "gguf" and not is_gguf:
