@@ -12,8 +12,9 @@ over K and the one rounding of the output to bf16:
     |y - y64| <= 2^-8 |y64| + (K + 2) 2^-24 sum_k |w_k x_k|
 (2^-8: bf16's half ulp is 2^-9 relative, doubled for the rounding of the float32 sum's error).
 
-The bound of the AMX and VNNI kernels (`amx_bound`; they quantize the activations alike): w_k = s_k q_k + m_k with s, m the group's scale and min.
-It quantizes each activation row per 32-column block b to xq = round(x / d_b), d_b = max|x_b| /
+The bound of the AMX and VNNI kernels (`amx_bound`; they quantize the activations alike):
+w_k = s_k q_k + m_k with s, m the group's scale and min.
+Each rounds every activation row per 32-column block b to xq = round(x / d_b), d_b = max|x_b| /
 127, so |x_k - d_b xq_k| <= d_b / 2; the int8 products and their int32 block sums are exact
 (|sum| <= 32 * 127 * 128 < 2^24, so also exact in float32); the min term uses the bf16
 activations' float sum, not the quantized ones. What differs from y64:
@@ -171,6 +172,7 @@ def test_routing_by_rows() -> None:
     q8 = from_gguf_blocks(gguf_tensor("Q8_0", 20, 64), "Q8_0", 64)
     large = max(quant_kernels.MAX_KERNEL_ROWS, quant_kernels.MAX_AMX_ROWS) + 1
     amx, vnni = quant.amx_available(), quant.vnni_available()
+    MAX_KERNEL_ROWS = quant_kernels.MAX_KERNEL_ROWS
 
     def expect(bits: int, rows: int) -> str:
         if vnni and rows <= (quant_kernels.VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
@@ -179,7 +181,6 @@ def test_routing_by_rows() -> None:
             return "amx"
         return "float" if rows <= MAX_KERNEL_ROWS else "dequant"
 
-    MAX_KERNEL_ROWS = quant_kernels.MAX_KERNEL_ROWS
     cases = [(q4, 1), (q4, 2), (q4, 5), (q8, 1), (q8, 2), (q8, MAX_KERNEL_ROWS + 1), (q4, large)]
     for weight, rows in cases:
         route = expect(weight.bits, rows)

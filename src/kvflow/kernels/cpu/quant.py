@@ -47,11 +47,9 @@ def library() -> ctypes.CDLL | None:
         logger.warning("quantized CPU kernel unavailable (%s): dequantizing per call", detail)
         return None
     ptr, num = ctypes.c_void_p, ctypes.c_int
-    for name in ("kvflow_q_linear", "kvflow_q_linear_f32"):
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
-    for name in ("kvflow_q_linear_amx", "kvflow_q_linear_vnni"):  # 0: refused, nothing written
-        getattr(lib, name).restype = num
+    refusing = ("kvflow_q_linear_amx", "kvflow_q_linear_vnni")  # 0: refused, nothing written
+    for name in ("kvflow_q_linear", "kvflow_q_linear_f32", *refusing):
+        getattr(lib, name).restype = num if name in refusing else None
         getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
     lib.kvflow_q_dequant.restype = None
     lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 2 + [ptr] + [num] * 3
