@@ -7,10 +7,11 @@ Not part of CI. Run it with kvflow's interpreter (it imports `kvflow.bench.serve
 
 Peers are installed on demand into their own virtual environments under `--peers-dir`, never
 into kvflow's. Every server binds 127.0.0.1 on a free port and is terminated (SIGTERM, then
-SIGKILL, whole process group) even on error. The load is streaming /v1/completions with
-token-exact prompts, ignore_eos and temperature 0. Servers alternate order between repeats so
-drift shows. A dated section is appended to benchmarks/RESULTS.md (medians over repeats, and
-kvflow's ratio to each peer) and output tok/s and TTFT p50 are plotted to benchmarks/compare.png.
+SIGKILL, whole process group) even on error; each starts `--settle` seconds after the one before
+ended, once the CPUs are quiet. The load is streaming /v1/completions with token-exact prompts,
+ignore_eos and temperature 0. Servers alternate order between repeats so drift shows. A dated
+section is appended to benchmarks/RESULTS.md (medians over repeats, and kvflow's ratio to each
+peer) and output tok/s and TTFT p50 are plotted to benchmarks/compare.png.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=f"--n_ctx 2048 --interrupt_requests False --n_threads {os.cpu_count() or 1}",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--settle", type=float, default=60.0, help="seconds from one server's exit to the next"
+    )
     p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--plot", type=Path, default=HERE / "compare.png")
     p.add_argument("--install-only", action="store_true", help="install the peers and exit")
@@ -208,13 +212,21 @@ def measure(name: str, url: str, args: argparse.Namespace, c: int, prompts: list
 
 
 def bench_server(
-    name: str, args: argparse.Namespace, prompts: dict[int, list[str]], rep: int
+    name: str,
+    args: argparse.Namespace,
+    prompts: dict[int, list[str]],
+    rep: int,
+    previous: str | None,
 ) -> dict[str, Any]:
-    """One server's start-up time and one result per concurrency level."""
+    """One server's start-up time and one result per concurrency level; `previous`: the server
+    that ran just before (this one starts once the machine has settled after it)."""
     from kvflow.bench import free_port, resident_bytes, running_server
 
     argv, env = server_command(name, args, free_port())
     port = int(argv[argv.index("--port") + 1])
+    if previous is not None:
+        waited = settle(args.settle, args.settle + 90)
+        print(f"[{name} r{rep}] started {waited:.0f} s after {previous} ended", flush=True)
     log = args.peers_dir / "logs" / f"{name}-r{rep}.log"
     started = time.monotonic()
     with running_server(argv, port, log, timeout=args.startup_timeout, env=env) as (url, pid):
@@ -235,17 +247,43 @@ def bench_server(
     return {**out, "resident_mib": resident / 2**20}
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(idle + iowait, total) jiffies of all CPUs since boot (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def settle(pause: float, limit: float, quiet: float = 0.9, seconds: int = 3) -> float:
+    """Waits `pause` seconds, then until the CPUs have been at least `quiet` idle for `seconds`
+    one-second windows in a row, `limit` seconds in all at most; returns the seconds waited.
+    llama.cpp ran a lone request at half its speed when it started right after a kvflow server
+    exited, the CPUs idle by then, and at full speed after a pause of 60 s (RESULTS.md,
+    2026-12-02): the memory a large process hands back takes the machine a while to settle."""
+    start, calm = time.monotonic(), 0
+    time.sleep(pause)
+    idle, total = _cpu_times()
+    while calm < seconds and time.monotonic() - start < limit:
+        time.sleep(1.0)
+        idle2, total2 = _cpu_times()
+        busy = total2 > total and (idle2 - idle) / (total2 - total) < quiet
+        calm = 0 if busy else calm + 1
+        idle, total = idle2, total2
+    return time.monotonic() - start
+
+
 def run_all(args: argparse.Namespace, servers: list[str], levels: list[int]) -> dict[str, Any]:
     """Every repeat runs every server; odd repeats run them in reverse order."""
     prompts = make_prompts(args, levels)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    previous = None
     for rep in range(args.repeats):
         for name in servers if rep % 2 == 0 else servers[::-1]:
             try:
-                runs[name].append(bench_server(name, args, prompts, rep))
+                runs[name].append(bench_server(name, args, prompts, rep, previous))
             except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
                 print(f"[{name} r{rep}] FAILED: {exc}", file=sys.stderr, flush=True)
                 runs[name].append({"failed": str(exc)[:500]})
+            previous = name
     return runs
 
 
@@ -305,7 +343,8 @@ def markdown(args: argparse.Namespace, runs: dict[str, Any], table: dict, levels
         f"Load: streaming /v1/completions, input {args.input_len} tokens (token-exact), output "
         f"{args.output_len} (ignore_eos), temperature 0; prompts per point max(8, "
         f"{args.prompts_factor}·c) after {args.num_warmups} untimed warm-ups; "
-        f"{args.repeats} repeat(s), server order alternated; medians over repeats.",
+        f"{args.repeats} repeat(s), server order alternated, {args.settle:.0f} s between "
+        "servers; medians over repeats.",
         "",
     ]
     for name, reps in runs.items():

@@ -65,6 +65,8 @@ NATIVE_CASES = [  # shapes for the native kernel (every bf16 step with a head di
     ([33, 70, 0], [1, 1, 1], 6, 2, 80, 16, None),  # head dim a multiple of 16, not of 64
     ([33, 70], [1, 1], 8, 1, 256, 16, 50),  # the largest head dim, MQA, window over blocks
     ([9, 4], [1, 1], 4, 2, 40, 4, None),  # head dim not a multiple of 16: the reference runs
+    ([700, 300], [1, 1], 7, 1, 64, 16, None),  # 7 query rows a KV head: 4, then 3
+    ([2100], [1], 9, 3, 64, 16, None),  # a lone long context: its 3 heads on every thread
 ]
 
 

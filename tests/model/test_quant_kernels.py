@@ -216,13 +216,58 @@ def test_large_batches_dequantize(kind: str) -> None:
 
 
 def test_fused_shards_of_different_types_keep_every_value() -> None:
-    """q|k|v of a Q4_K_M file mixes Q4_K and Q6_K: stacked as 8 bits in groups of 16."""
+    """q|k|v of a Q4_K_M file mixes Q4_K and Q6_K: stacked as 8 bits in groups of 16; a part
+    with float16 scales (Q4_1) among float32 ones: all float32."""
     q = from_gguf_blocks(gguf_tensor("Q4_K", 6, 256, 1), "Q4_K", 256)
+    k = from_gguf_blocks(gguf_tensor("Q4_1", 2, 256, 3), "Q4_1", 256)
     v = from_gguf_blocks(gguf_tensor("Q6_K", 3, 256, 2), "Q6_K", 256)
-    fused = QuantizedWeight.cat([q, v])
-    assert (fused.bits, fused.group, fused.out_features) == (8, 16, 9)
-    expected = torch.cat([q.dequantize(torch.float64), v.dequantize(torch.float64)])
+    fused = QuantizedWeight.cat([q, k, v])
+    assert (fused.bits, fused.group, fused.out_features) == (8, 16, 11)
+    assert fused.scales.dtype == fused.mins.dtype == torch.float32
+    expected = torch.cat([p.dequantize(torch.float64) for p in (q, k, v)])
     assert torch.equal(fused.dequantize(torch.float64), expected)
+    halves = QuantizedWeight.cat([k, k])
+    assert halves.scales.dtype == torch.float16 and halves.out_features == 4
+
+
+@needs_native
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_float16_scales_where_exact(kind: str) -> None:
+    """Q8_0, Q4_0 and Q4_1 keep their float16 scales (and mins) as stored; the K-quants' scales
+    are products that float16 does not hold, so they stay float32. Every kernel reads float16
+    ones as the same values: its output equals that of the weight with float32 copies of them,
+    bit for bit (rows crossing VNNI's 4-row and AMX's 16-row tiles, a 32-column tail)."""
+    cols = 256 if kind in SUPER else 544
+    weight = from_gguf_blocks(gguf_tensor(kind, 17, cols, seed=5), kind, cols)
+    half = kind in BLOCK
+    assert weight.scales.dtype == weight.mins.dtype == (torch.float16 if half else torch.float32)
+    if not half:
+        return
+    wide = QuantizedWeight(
+        weight.codes, weight.scales.float(), weight.mins.float(), weight.bits, weight.group,
+        cols, kind,
+    )  # fmt: skip
+    assert weight.nbytes < wide.nbytes
+    kernels = ["float"] + [k for k, ok in (("amx", quant.amx_available()),
+                                           ("vnni", quant.vnni_available())) if ok]  # fmt: skip
+    bias = torch.randn(17).bfloat16()
+    for kernel, m in itertools.product(kernels, (1, 3, 5, 17)):
+        x = torch.randn(m, cols).bfloat16()
+        ours = quant_kernels.kernel_linear(x, weight, bias, kernel)
+        assert torch.equal(ours, quant_kernels.kernel_linear(x, wide, bias, kernel)), (kernel, m)
+    x = torch.randn(3, cols)
+    assert torch.equal(
+        quant_kernels.kernel_linear(x, weight, None), quant_kernels.kernel_linear(x, wide, None)
+    )
+    for dtype in (torch.bfloat16, torch.float32):
+        expected = quant_kernels.dequantize(wide, dtype)
+        assert torch.equal(quant_kernels.dequantize(weight, dtype), expected)
+
+
+def test_mixed_scale_dtypes_are_refused() -> None:
+    codes = torch.zeros(2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="both float32 or both float16"):
+        QuantizedWeight(codes, torch.ones(2, 1), torch.zeros(2, 1).half(), 4, 32, 32, "Q4_1")
 
 
 def test_unsupported_block_type_is_named() -> None:

@@ -22,7 +22,7 @@ from kvflow.model.quant_format import GGUF_TYPES, QuantizedWeight, from_gguf_blo
 from kvflow.paths import locked, scratch
 
 QUANT_FILE = "kvflow-quant.sft"  # safetensors, named so that the float loader's glob skips it
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: float16 scales and mins where exact
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 

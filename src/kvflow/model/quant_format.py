@@ -1,7 +1,9 @@
 """Quantized weights in the layout the native quantized kernels read (csrc/quant_kernels.c).
 
 A weight [N, K] is cut along K in groups of `group` columns; w[n, k] = scales[n, g] * code[n, k]
-+ mins[n, g] with g = k // group, scales and mins float32. `bits` 8: one int8 code per column;
++ mins[n, g] with g = k // group, scales and mins float32, or both float16 where every one of
+them is exact in float16 (GGUF's Q8_0, Q4_0 and Q4_1 store theirs so: fewer bytes a decode step
+reads, the same values). `bits` 8: one int8 code per column;
 `bits` 4: two unsigned codes a byte, each 32 columns c.. in 16 bytes (byte i: column c + i low,
 c + 16 + i high), which is how GGUF's Q4_0 and Q4_1 blocks hold them already.
 
@@ -25,12 +27,17 @@ GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 @dataclass
 class QuantizedWeight:
     codes: torch.Tensor  # uint8 [N, K // 2] (bits 4) or [N, K] (bits 8: int8 bit patterns)
-    scales: torch.Tensor  # float32 [N, K // group]
-    mins: torch.Tensor  # float32 [N, K // group]
+    scales: torch.Tensor  # float32 or float16 [N, K // group]
+    mins: torch.Tensor  # scales' dtype [N, K // group]
     bits: int
     group: int
     in_features: int
     kind: str  # where it came from: a GGUF type name or "int8"
+
+    def __post_init__(self) -> None:
+        dtypes = (self.scales.dtype, self.mins.dtype)
+        if dtypes not in ((torch.float32,) * 2, (torch.float16,) * 2):
+            raise ValueError(f"scales and mins must be both float32 or both float16, got {dtypes}")
 
     @property
     def out_features(self) -> int:
@@ -86,8 +93,15 @@ class QuantizedWeight:
         bits, group = max(p.bits for p in parts), min(p.group for p in parts)
         parts = [p.widened(bits, group) for p in parts]
         kinds = sorted({p.kind for p in parts})
-        tensors = [torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")]
-        return QuantizedWeight(*tensors, bits, group, parts[0].in_features, "+".join(kinds))
+        half = all(p.scales.dtype == torch.float16 for p in parts)
+        dtype = torch.float16 if half else torch.float32
+        codes = torch.cat([p.codes for p in parts])
+        scales, mins = (
+            torch.cat([getattr(p, f).to(dtype) for p in parts]) for f in ("scales", "mins")
+        )
+        return QuantizedWeight(
+            codes, scales, mins, bits, group, parts[0].in_features, "+".join(kinds)
+        )
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         """Tensors for a safetensors file (see `from_state`)."""
@@ -209,7 +223,20 @@ def from_gguf_blocks(raw: np.ndarray, kind: str, in_features: int) -> QuantizedW
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, block_bytes)
     codes, scales, mins, bits, group = parse(blocks, n)
-    scales = np.ascontiguousarray(scales, np.float32).reshape(n, -1)
-    mins = np.ascontiguousarray(mins, np.float32).reshape(n, -1)
+    scales, mins = _narrowest(
+        np.ascontiguousarray(scales, np.float32).reshape(n, -1),
+        np.ascontiguousarray(mins, np.float32).reshape(n, -1),
+    )
     tensors = (torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales, mins))
     return QuantizedWeight(*tensors, bits, group, in_features, kind)
+
+
+def _narrowest(scales: np.ndarray, mins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both as float16 when every value survives the round trip (finite and exact), else both
+    float32: the kernels read either, and the narrower is fewer bytes a step."""
+    with np.errstate(over="ignore"):
+        narrow = [a.astype(np.float16) for a in (scales, mins)]
+    exact = all(
+        np.array_equal(h.astype(np.float32), a) for h, a in zip(narrow, (scales, mins), strict=True)
+    )
+    return tuple(narrow) if exact else (scales, mins)

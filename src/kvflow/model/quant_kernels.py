@@ -12,6 +12,8 @@ the weight to bf16 and run the bf16 matmul, which is faster there. The limits ar
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -32,13 +34,17 @@ def native_available() -> bool:
 def route(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> str:
     """The kernel `rows` activation rows of `dtype` take against `weight`: "vnni", "amx",
     "float" or "dequant" (see the module's doc)."""
+    return _route(rows, weight.bits, weight.group, dtype)
+
+
+@functools.cache  # a few hundred keys at most; every projection of a step asks
+def _route(rows: int, bits: int, group: int, dtype: torch.dtype) -> str:
     if not native_available() or dtype not in (torch.bfloat16, torch.float32):
         return "dequant"
-    amx = dtype == torch.bfloat16 and quant.amx_available() and quant.amx_takes(weight.group)
-    if dtype == torch.bfloat16 and quant.vnni_available():
-        if quant.vnni_takes(weight.bits, weight.group):
-            if rows <= (VNNI_ROWS[weight.bits] if amx else MAX_KERNEL_ROWS):
-                return "vnni"
+    amx = dtype == torch.bfloat16 and quant.amx_available() and quant.amx_takes(group)
+    if dtype == torch.bfloat16 and quant.vnni_available() and quant.vnni_takes(bits, group):
+        if rows <= (VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
+            return "vnni"
     if amx and rows <= MAX_AMX_ROWS:
         return "amx"
     return "float" if rows <= MAX_KERNEL_ROWS else "dequant"

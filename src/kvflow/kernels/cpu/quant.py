@@ -2,8 +2,8 @@
 cpu_kernels.c.
 
 A weight is passed as its parts, in the layout csrc/quant_kernels.c describes: `codes` uint8
-[N, K / 2] (4 bits) or [N, K] (8 bits, int8 bit patterns), `scales` and `mins` float32
-[N, K / group]; w[n, k] = scales[n, k / group] * code[n, k] + mins[n, k / group].
+[N, K / 2] (4 bits) or [N, K] (8 bits, int8 bit patterns), `scales` and `mins` [N, K / group],
+both float32 or both float16; w[n, k] = scales[n, k / group] * code[n, k] + mins[n, k / group].
 
 - `linear`: codes widened to float32 in registers (bf16 or float32 activations, exact weights).
 - `linear_int8`: the activations quantized to int8 per 32 columns (bf16), the products on
@@ -50,9 +50,9 @@ def library() -> ctypes.CDLL | None:
     refusing = ("kvflow_q_linear_amx", "kvflow_q_linear_vnni")  # 0: refused, nothing written
     for name in ("kvflow_q_linear", "kvflow_q_linear_f32", *refusing):
         getattr(lib, name).restype = num if name in refusing else None
-        getattr(lib, name).argtypes = [ptr] * 4 + [num] * 2 + [ptr] * 2 + [num] * 3
+        getattr(lib, name).argtypes = [ptr] * 4 + [num] * 3 + [ptr] * 2 + [num] * 3
     lib.kvflow_q_dequant.restype = None
-    lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 2 + [ptr] + [num] * 3
+    lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 3 + [ptr] + [num] * 3
     lib.kvflow_q_amx_init.restype = num
     lib.amx = bool(lib.kvflow_q_amx_init())
     lib.kvflow_q_vnni_built.restype = num
@@ -91,6 +91,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _half(scales: torch.Tensor) -> int:
+    """The kernels' `half` flag: 1 for float16 scales (and mins: `QuantizedWeight` keeps both
+    in one dtype), 0 for float32."""
+    return int(scales.dtype == torch.float16)
+
+
 def linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -112,6 +118,7 @@ def linear(
         codes.data_ptr(),
         scales.data_ptr(),
         mins.data_ptr(),
+        _half(scales),
         bits,
         group,
         _ptr(bias),
@@ -152,6 +159,7 @@ def linear_int8(
         codes.data_ptr(),
         scales.data_ptr(),
         _ptr(mins),
+        _half(scales),
         bits,
         group,
         _ptr(bias),
@@ -182,6 +190,7 @@ def dequantize(
         codes.data_ptr(),
         scales.data_ptr(),
         mins.data_ptr(),
+        _half(scales),
         bits,
         group,
         out.data_ptr(),

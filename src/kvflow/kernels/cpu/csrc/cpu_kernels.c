@@ -374,41 +374,71 @@ static inline void softmax(float *row, int n) {
     for (j = 0; j < n; j++) row[j] *= inv;
 }
 
-/* scores[j] = q . key j over D floats for j < n, keys at base + slots[j] * stride (bf16). Sixteen
- * keys at a time, each held in its own accumulator; past n a zero row stands in. */
-static inline void scores_row(const float *q, const uint16_t *base, const size_t *slots,
-                              size_t stride, int n, int D, float *scores) {
+/* acc + the lane-wise products of a[0..32) and b[0..32) (bf16), summed by pairs: exact
+ * products, float32 sums (AVX512_BF16: one instruction). */
+static inline v16f pairs_dot(v16f acc, const uint16_t *a, const uint16_t *b) {
+#ifdef __AVX512BF16__
+    return (v16f)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(a),
+                                  (__m512bh)_mm512_loadu_si512(b));
+#else
+    return acc + load_bf16(a) * load_bf16(b) + load_bf16(a + 16) * load_bf16(b + 16);
+#endif
+}
+
+/* scores[g * row_len + j] = scale * (q_g . key j) for the G query rows q_g at q + g * D and
+ * the keys at base + slots[j] * stride (bf16), j < n: sixteen keys at a time, each in its own
+ * accumulator, the G rows in turn while those keys stay in L1; past n a zero row stands in
+ * (a row has room up to n rounded up to 16). The products are of the bf16 values as they
+ * are (exact), as the prompt tiles take them, and the scale comes after the sum. */
+static void group_scores(const uint16_t *q, int G, int D, const uint16_t *base,
+                         const size_t *slots, size_t stride, int n, float scale, float *scores,
+                         size_t row_len) {
     static const uint16_t zero[256];
     for (int j0 = 0; j0 < n; j0 += 16) {
         const uint16_t *key[16];
         for (int i = 0; i < 16; i++) key[i] = j0 + i < n ? base + slots[j0 + i] * stride : zero;
         for (int i = j0 + 32; i < j0 + 48 && i < n; i++) /* the keys two groups ahead */
             for (int d = 0; d < D; d += 32) __builtin_prefetch(base + slots[i] * stride + d);
-        v16f acc[16] = {0};
-        for (int d = 0; d < D; d += 16) {
-            v16f qv = vload(q + d);
-            for (int i = 0; i < 16; i++) acc[i] += qv * load_bf16(key[i] + d);
+        for (int g = 0; g < G; g++) {
+            const uint16_t *qg = q + (size_t)g * D;
+            v16f acc[16] = {0};
+            int d = 0;
+            for (; d + 32 <= D; d += 32)
+                for (int i = 0; i < 16; i++) acc[i] = pairs_dot(acc[i], qg + d, key[i] + d);
+            if (d < D) /* 16 dims left */
+                for (int i = 0; i < 16; i++) acc[i] += load_bf16(qg + d) * load_bf16(key[i] + d);
+            v16f s = sum16(acc) * scale;
+            memcpy(scores + (size_t)g * row_len + j0, &s, sizeof s);
         }
-        v16f s = sum16(acc);
-        memcpy(scores + j0, &s, sizeof s); /* the row has room up to n rounded up to 16 */
     }
 }
 
-/* out[off .. off + 16 * nv) = sum over j < n of p[j] * value j there (bf16 rows at base +
- * slots[j] * stride); nv <= 4 vectors held in registers across the whole sum. */
-static inline __attribute__((always_inline)) void weighted_sum(
-    const float *p, const uint16_t *base, const size_t *slots, size_t stride, int n, int off,
-    int nv, uint16_t *out) {
-    v16f acc[4] = {0};
+/* out[r * D + off ..) for r < rows (16 nv dims) = sum over j < n of p_r[j] * value j (bf16 rows
+ * at base + slots[j] * stride), p_r at scores + r * row_len: each value row is widened once for
+ * all the rows; rows <= 4 and nv <= 4 keep every accumulator in a register. */
+static inline __attribute__((always_inline)) void group_values(
+    const float *scores, size_t row_len, const uint16_t *base, const size_t *slots,
+    size_t stride, int n, int off, const int nv, const int rows, int D, uint16_t *out) {
+    v16f acc[4][4] = {{{0}}};
     for (int j = 0; j < n; j++) {
         const uint16_t *row = base + slots[j] * stride + off;
         if (j + 32 < n) /* each 64-byte line of the row 32 ahead */
             for (int c = 0; c < nv; c += 2)
                 __builtin_prefetch(base + slots[j + 32] * stride + off + 16 * c);
-        for (int c = 0; c < nv; c++) acc[c] += p[j] * load_bf16(row + 16 * c);
+        v16f v[4];
+        for (int c = 0; c < nv; c++) v[c] = load_bf16(row + 16 * c);
+        for (int r = 0; r < rows; r++) {
+            float p = scores[(size_t)r * row_len + j];
+            for (int c = 0; c < nv; c++) acc[r][c] += p * v[c];
+        }
     }
-    for (int c = 0; c < nv; c++) store_bf16(out + off + 16 * c, acc[c]);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < nv; c++) store_bf16(out + (size_t)r * D + off + 16 * c, acc[r][c]);
 }
+
+#define GROUP_VALUES(NV, ROWS)                                                                 \
+    group_values(scores + (size_t)r0 * row_len, row_len, vbase, slots, stride, n, off, NV,     \
+                 ROWS, D, og + (size_t)r0 * D)
 
 /* The slots of positions start .. start + n - 1 of a request (its block table), in order. */
 static void fill_slots(const int32_t *table, int block_size, int start, int n, size_t *slots) {
@@ -418,21 +448,32 @@ static void fill_slots(const int32_t *table, int block_size, int start, int n, s
     }
 }
 
-/* One decode token's G query heads of KV head h over the n keys at `slots`: each query head
- * takes scores against 16 keys at a time (the keys stay in L1 across the group), a float32
- * softmax over the row, then the V sum with its accumulators in registers. */
-static void decode_heads(const uint16_t *qb, int G, int h, int D, size_t stride,
+/* One decode token's G query heads of KV head h (q rows at qb, out rows at ob, Hq heads of D
+ * each) over the n keys at `slots`: the G rows share every load of K (`group_scores`) and V
+ * (`group_values`, 4 rows at a time), with a float32 softmax per row between; `scores` holds
+ * G rows of row_len. */
+static void decode_group(const uint16_t *qb, int G, int h, int D, size_t stride,
                          const uint16_t *kc, const uint16_t *vc, const size_t *slots, int n,
-                         float scale, float *qf, float *scores, uint16_t *ob) {
-    for (int r = h * G; r < (h + 1) * G; r++) {
-        for (int d = 0; d < D; d++) qf[d] = bf16_to_float(qb[(size_t)r * D + d]) * scale;
-        scores_row(qf, kc + (size_t)h * D, slots, stride, n, D, scores);
-        softmax(scores, n);
-        int off = 0;
-        for (; off + 64 <= D; off += 64)
-            weighted_sum(scores, vc + (size_t)h * D, slots, stride, n, off, 4, ob + (size_t)r * D);
-        for (; off < D; off += 16)
-            weighted_sum(scores, vc + (size_t)h * D, slots, stride, n, off, 1, ob + (size_t)r * D);
+                         float scale, float *scores, size_t row_len, uint16_t *ob) {
+    group_scores(qb + (size_t)h * G * D, G, D, kc + (size_t)h * D, slots, stride, n, scale,
+                 scores, row_len);
+    for (int g = 0; g < G; g++) softmax(scores + (size_t)g * row_len, n);
+    const uint16_t *vbase = vc + (size_t)h * D;
+    uint16_t *og = ob + (size_t)h * G * D;
+    for (int r0 = 0; r0 < G; r0 += 4) {
+        int rows = G - r0 < 4 ? G - r0 : 4, off = 0;
+        for (; off + 64 <= D; off += 64) switch (rows) {
+            case 1: GROUP_VALUES(4, 1); break;
+            case 2: GROUP_VALUES(4, 2); break;
+            case 3: GROUP_VALUES(4, 3); break;
+            default: GROUP_VALUES(4, 4); break;
+            }
+        for (; off < D; off += 16) switch (rows) {
+            case 1: GROUP_VALUES(1, 1); break;
+            case 2: GROUP_VALUES(1, 2); break;
+            case 3: GROUP_VALUES(1, 3); break;
+            default: GROUP_VALUES(1, 4); break;
+            }
     }
 }
 
@@ -537,6 +578,8 @@ static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos
     }
 }
 
+#define SPLIT_COST 2048 /* query rows x keys from which a few decode items use every thread */
+
 typedef struct {
     int b, h0, nh; /* request, first KV head and how many */
     int t0, m;     /* first token row and count (1 for a decode token) */
@@ -591,12 +634,14 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
     qsort(work, (size_t)items, sizeof(work_item), by_cost_desc);
     size_t row_len = (size_t)(max_seq_len > 0 ? max_seq_len : 1) + 16, stride = (size_t)Hkv * D;
     size_t rows = (size_t)QT * G;
-    /* a few short decode items: waking another thread costs more than it saves */
-#pragma omp parallel if (items >= 8 || tiles > 0)
+    /* a few short decode items: waking another thread costs more than it saves; a long
+     * context's heads (a lone request deep into its context) are worth splitting */
+    long cost = 0;
+    for (int i = 0; i < items; i++) cost += work[i].cost;
+#pragma omp parallel if (items >= 8 || tiles > 0 || (items > 1 && cost >= SPLIT_COST))
     {
-        float *scores = malloc(sizeof(float) * row_len);
+        float *scores = malloc(sizeof(float) * row_len * (decodes > 0 ? G : 1));
         size_t *slots = malloc(sizeof(size_t) * row_len);
-        float *qf = malloc(sizeof(float) * (size_t)D);
         tile_scratch s = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
         if (tiles > 0) {
             s.kp = aligned_alloc(64, sizeof(uint32_t) * 8 * (size_t)D);
@@ -623,8 +668,8 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
             fill_slots(block_tables + (size_t)it.b * max_blocks, block_size, start, n, slots);
             if (len == 1) { /* a decode token */
                 for (int h = it.h0; h < it.h0 + it.nh; h++)
-                    decode_heads(q + (size_t)it.t0 * q_stride, G, h, D, stride, kc, vc, slots, n,
-                                 scale, qf, scores, out + (size_t)it.t0 * Hq * D);
+                    decode_group(q + (size_t)it.t0 * q_stride, G, h, D, stride, kc, vc, slots, n,
+                                 scale, scores, row_len, out + (size_t)it.t0 * Hq * D);
             } else {
                 prefill_tile(q, q_stride, it.t0, it.m, pos0, it.h0, G, D, stride, kc, vc, slots,
                              start, window, scale, &s, out, Hq);
@@ -632,7 +677,6 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
         }
         free(scores);
         free(slots);
-        free(qf);
         free(s.kp);
         free(s.vf);
         free(s.o);

@@ -10,13 +10,15 @@
  *
  * The weight layout (made once by kvflow/model/quant_format.py from GGUF blocks or a float
  * checkpoint): K is cut in groups of `group` columns (a multiple of 16; K a multiple of 32);
- * w[n, k] = scales[n, k / group] * code[n, k] + mins[n, k / group], scales and mins float32.
+ * w[n, k] = scales[n, k / group] * code[n, k] + mins[n, k / group], scales and mins float32,
+ * or both float16 (`half` 1) where every one of them is exact in float16.
  *   bits 8: int8 codes [N, K], column k at byte k.
  *   bits 4: unsigned 4-bit codes [N, K / 2]; each 32 columns c .. c + 31 take 16 bytes at
  *           c / 2: byte i holds column c + i in its low nibble and c + 16 + i in its high one.
  * GGUF's Q4_0, Q4_1, Q4_K map to bits 4 (group 32), Q5_K and Q8_0 to bits 8 (group 32), Q6_K
  * to bits 8 (group 16): every scale and min is the product of at most a float16 and a 6- or
- * 8-bit integer, exact in float32, so the weights are the values the file holds.
+ * 8-bit integer, exact in float32, so the weights are the values the file holds; Q8_0, Q4_0 and
+ * Q4_1 store theirs as float16 already, and keep them so (fewer bytes a step reads).
  *
  * A row's codes widen to float32 in registers (one fused multiply-add makes the weight) and
  * multiply float32 activations: at a few rows the step reads each weight byte once, which is
@@ -53,6 +55,41 @@ static inline uint16_t float_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* Element i of a weight's scales or mins: float16 (`half`) or float32. F16C's conversion, not
+ * AVX512-FP16's scalar one (vcvtsh2ss merges into its destination: a dependency through every
+ * conversion of a loop, which ran the AMX kernel at a third of its speed). */
+static inline float scale_at(const void *p, long i, int half) {
+    if (!half) return ((const float *)p)[i];
+    uint16_t h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    _Float16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+#endif
+}
+
+/* The scales or mins from element i on. */
+static inline const void *scales_from(const void *p, long i, int half) {
+    return (const char *)p + (i << (half ? 1 : 2));
+}
+
+/* `count` scales or mins from element i of `p` as float32: in place when they are float32, else
+ * widened into `buf` (a tile's worth at a time, so that the loops over codes read float32). */
+static inline const float *as_float(const void *p, long i, long count, int half, float *buf) {
+    if (!half) return (const float *)p + i;
+    const uint16_t *h = (const uint16_t *)p + i;
+    long j = 0;
+#ifdef __F16C__
+    for (; j + 8 <= count; j += 8)
+        _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+#endif
+    for (; j < count; j++) buf[j] = scale_at(h, j, 1);
+    return buf;
 }
 
 static inline v16f vload(const float *p) {
@@ -150,73 +187,80 @@ static void tile(const uint8_t *row, long row_bytes, int bits, const float *sc, 
 
 /* y[M, N] (row stride N) = xf[M, K] (float32) @ w^T + bias: y and bias bf16 (f32 == 0) or
  * float32 (f32 == 1; bias may be NULL either way). */
-static void q_linear(const float *xf, const uint8_t *codes, const float *scales, const float *mins,
-                     int bits, int group, const void *bias, void *y, int f32, int M, int N,
-                     int K) {
+static void q_linear(const float *xf, const uint8_t *codes, const void *scales, const void *mins,
+                     int half, int bits, int group, const void *bias, void *y, int f32, int M,
+                     int N, int K) {
     long row_bytes = bits == 4 ? K / 2 : K;
     int groups = K / group;
     int nr = M == 1 ? 4 : M == 2 ? 2 : 1; /* weight rows a tile */
     int tiles = (N + nr - 1) / nr;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        int n0 = t * nr, rows = N - n0 < nr ? N - n0 : nr;
-        int r_n = rows == nr ? nr : 1; /* a last partial tile: its rows one by one */
-        float out[4 * MAX_ROWS];
-        for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int mb = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-            for (int r0 = 0; r0 < rows; r0 += r_n) {
-                long n = n0 + r0;
-                tile(codes + n * row_bytes, row_bytes, bits, scales + n * groups, mins + n * groups,
-                     groups, group, xf + (long)m0 * K, K, K, r_n, mb, out);
-                for (int r = 0; r < r_n; r++) {
-                    float b = bias == NULL ? 0.0f
-                              : f32        ? ((const float *)bias)[n + r]
-                                           : bf16_to_float(((const uint16_t *)bias)[n + r]);
-                    for (int m = 0; m < mb; m++) {
-                        long at = (long)(m0 + m) * N + n + r;
-                        if (f32) ((float *)y)[at] = out[r * mb + m] + b;
-                        else ((uint16_t *)y)[at] = float_to_bf16(out[r * mb + m] + b);
+#pragma omp parallel
+    {
+        float *wide = half ? malloc(sizeof(float) * 2 * nr * (size_t)groups) : NULL;
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            int n0 = t * nr, rows = N - n0 < nr ? N - n0 : nr;
+            int r_n = rows == nr ? nr : 1; /* a last partial tile: its rows one by one */
+            long first = (long)n0 * groups, count = (long)rows * groups;
+            const float *sc = as_float(scales, first, count, half, wide);
+            const float *mn = as_float(mins, first, count, half, half ? wide + count : NULL);
+            float out[4 * MAX_ROWS];
+            for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
+                int mb = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+                for (int r0 = 0; r0 < rows; r0 += r_n) {
+                    long n = n0 + r0;
+                    tile(codes + n * row_bytes, row_bytes, bits, sc + r0 * groups,
+                         mn + r0 * groups, groups, group, xf + (long)m0 * K, K, K, r_n, mb, out);
+                    for (int r = 0; r < r_n; r++) {
+                        float b = bias == NULL ? 0.0f
+                                  : f32        ? ((const float *)bias)[n + r]
+                                               : bf16_to_float(((const uint16_t *)bias)[n + r]);
+                        for (int m = 0; m < mb; m++) {
+                            long at = (long)(m0 + m) * N + n + r;
+                            if (f32) ((float *)y)[at] = out[r * mb + m] + b;
+                            else ((uint16_t *)y)[at] = float_to_bf16(out[r * mb + m] + b);
+                        }
                     }
                 }
             }
         }
+        free(wide);
     }
 }
 
 /* y[M, N] (bf16, row stride N) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL). */
-void kvflow_q_linear(const uint16_t *x, const uint8_t *codes, const float *scales,
-                     const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
-                     int M, int N, int K) {
+void kvflow_q_linear(const uint16_t *x, const uint8_t *codes, const void *scales,
+                     const void *mins, int half, int bits, int group, const uint16_t *bias,
+                     uint16_t *y, int M, int N, int K) {
     float *xf = (float *)aligned_alloc(64, ((size_t)M * K * sizeof(float) + 63) / 64 * 64);
     if (xf == NULL) return;
     for (long i = 0; i < (long)M * K; i++) xf[i] = bf16_to_float(x[i]);
-    q_linear(xf, codes, scales, mins, bits, group, bias, y, 0, M, N, K);
+    q_linear(xf, codes, scales, mins, half, bits, group, bias, y, 0, M, N, K);
     free(xf);
 }
 
 /* The same in float32: x, bias (or NULL) and y float32. */
-void kvflow_q_linear_f32(const float *x, const uint8_t *codes, const float *scales,
-                         const float *mins, int bits, int group, const float *bias, float *y,
-                         int M, int N, int K) {
-    q_linear(x, codes, scales, mins, bits, group, bias, y, 1, M, N, K);
+void kvflow_q_linear_f32(const float *x, const uint8_t *codes, const void *scales,
+                         const void *mins, int half, int bits, int group, const float *bias,
+                         float *y, int M, int N, int K) {
+    q_linear(x, codes, scales, mins, half, bits, group, bias, y, 1, M, N, K);
 }
 
 /* w[N, K] as bf16 (f32 == 0: rounded to nearest even; exact for codes and scales that fit
  * bf16) or float32 (f32 == 1). */
-void kvflow_q_dequant(const uint8_t *codes, const float *scales, const float *mins, int bits,
-                      int group, void *w, int f32, int N, int K) {
+void kvflow_q_dequant(const uint8_t *codes, const void *scales, const void *mins, int half,
+                      int bits, int group, void *w, int f32, int N, int K) {
     long row_bytes = bits == 4 ? K / 2 : K;
     int groups = K / group;
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + n * row_bytes;
-        const float *sc = scales + (long)n * groups, *mn = mins + (long)n * groups;
         for (int c = 0; c < K; c += 32) {
             v16f lo, hi;
             codes32(row, bits, c, &lo, &hi);
-            int g0 = c / group, g1 = (c + 16) / group;
-            v16f w0 = lo * sc[g0] + mn[g0];
-            v16f w1 = hi * sc[g1] + mn[g1];
+            long g0 = (long)n * groups + c / group, g1 = (long)n * groups + (c + 16) / group;
+            v16f w0 = lo * scale_at(scales, g0, half) + scale_at(mins, g0, half);
+            v16f w1 = hi * scale_at(scales, g1, half) + scale_at(mins, g1, half);
             long at = (long)n * K + c;
             if (f32) {
                 memcpy((float *)w + at, &w0, sizeof w0);
@@ -239,10 +283,11 @@ void kvflow_q_dequant(const uint8_t *codes, const float *scales, const float *mi
 /* The int8 kernels' entry point where the build lacks their instructions: it refuses (0), and the
  * callers keep the float32 kernel (quant.py asks first, so this is the guard, not the route). */
 #define REFUSING_INT8_KERNEL(name)                                                             \
-    int name(const uint16_t *x, const uint8_t *codes, const float *scales, const float *mins,  \
-             int bits, int group, const uint16_t *bias, uint16_t *y, int M, int N, int K) {    \
-        (void)x, (void)codes, (void)scales, (void)mins, (void)bits, (void)group, (void)bias;   \
-        (void)y, (void)M, (void)N, (void)K;                                                    \
+    int name(const uint16_t *x, const uint8_t *codes, const void *scales, const void *mins,    \
+             int half, int bits, int group, const uint16_t *bias, uint16_t *y, int M, int N,    \
+             int K) {                                                                          \
+        (void)x, (void)codes, (void)scales, (void)mins, (void)half, (void)bits, (void)group;   \
+        (void)bias, (void)y, (void)M, (void)N, (void)K;                                        \
         return 0;                                                                              \
     }
 
@@ -340,21 +385,34 @@ static inline __m512i load_codes(const uint8_t *at, long bytes, __mmask64 keep) 
     return bytes == 64 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(keep, at);
 }
 
+/* Up to 16 scales or mins from `at` (float16 where `half`) in the lanes `used`, zeros after. */
+static inline __m512 load_scales16(const void *at, __mmask16 used, int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(used, at));
+    return _mm512_maskz_loadu_ps(used, at);
+}
+
 /* The `per` scales (4, 2 or 1) of 64 bytes of codes from `at`, in the low lanes (a permutation
  * spreads them over the products' lanes); a row's tail (`bytes` < 64) loads the `used` ones
  * only, not reading past the row. */
-static inline __m512 load_scales(const float *at, long bytes, int per, __mmask16 used) {
-    if (bytes < 64) return _mm512_maskz_loadu_ps(used, at);
+static inline __m512 load_scales(const void *at, long bytes, int per, __mmask16 used, int half) {
+    if (bytes < 64) return load_scales16(at, used, half);
+    if (half) {
+        __m128i h = per == 4   ? _mm_loadl_epi64((const __m128i *)at)
+                    : per == 2 ? _mm_cvtsi32_si128(*(const int32_t *)at)
+                               : _mm_set1_epi16(*(const int16_t *)at);
+        return _mm512_castps128_ps512(per == 1 ? _mm_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(h)))
+                                               : _mm_cvtph_ps(h));
+    }
     if (per == 4) return _mm512_castps128_ps512(_mm_loadu_ps(at));
     if (per == 2) return _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)at)));
-    return _mm512_set1_ps(*at);
+    return _mm512_set1_ps(*(const float *)at);
 }
 
 /* out[r * mb + m] = row r of the weight tile . activation row m0 + m, for r < nr, m < mb
  * (compile-time constants after inlining: the accumulators stay in registers). */
 static inline __attribute__((always_inline)) void vnni_tile(
-    const uint8_t *codes, long row_bytes, const float *sc, const float *mn, int group, int bits,
-    int K, const struct vnni_x *X, int m0, int nr, int mb, float *out) {
+    const uint8_t *codes, long row_bytes, const void *sc, const void *mn, int half, int group,
+    int bits, int K, const struct vnni_x *X, int m0, int nr, int mb, float *out) {
     int groups = K / group;
     __m512 acc[4][VNNI_MAX_ROWS];
     for (int r = 0; r < nr; r++)
@@ -371,7 +429,8 @@ static inline __attribute__((always_inline)) void vnni_tile(
                 __m512i lo = _mm512_and_si512(v, low);
                 __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 __m512 sv = _mm512_permutexvar_ps(  /* 4 blocks of 32 columns: 4 scales */
-                    idx, load_scales(sc + r * groups + 4 * s, bytes, 4, blocks));
+                    idx, load_scales(scales_from(sc, r * groups + 4 * s, half), bytes, 4, blocks,
+                                     half));
                 for (int m = 0; m < mb; m++) {
                     const int8_t *xq = X->q + (long)(m0 + m) * X->stride + 128 * s;
                     __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
@@ -398,7 +457,8 @@ static inline __attribute__((always_inline)) void vnni_tile(
                 __m512i aw = _mm512_abs_epi8(w);
                 __mmask64 neg = _mm512_movepi8_mask(w);
                 __m512 sv = _mm512_permutexvar_ps(
-                    idx, load_scales(sc + r * groups + s * 64 / group, bytes, 64 / span, used));
+                    idx, load_scales(scales_from(sc, r * groups + s * 64 / group, half), bytes,
+                                     64 / span, used, half));
                 for (int m = 0; m < mb; m++) {
                     __m512i xv = _mm512_loadu_si512(X->q + (long)(m0 + m) * X->stride + 64 * s);
                     xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
@@ -418,7 +478,8 @@ static inline __attribute__((always_inline)) void vnni_tile(
                 __m512 t = _mm512_setzero_ps();
                 for (int g = 0; g < groups; g += 16) {
                     __mmask16 k = groups - g < 16 ? (__mmask16)((1u << (groups - g)) - 1) : 0xffff;
-                    t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mn + r * groups + g),
+                    t = _mm512_fmadd_ps(load_scales16(scales_from(mn, r * groups + g, half), k,
+                                                      half),
                                         _mm512_maskz_loadu_ps(k, xs + g), t);
                 }
                 total += _mm512_reduce_add_ps(t);
@@ -435,15 +496,16 @@ static inline void vnni_prefetch(const void *at, long bytes) {
 }
 
 #define VNNI_TILE(NR, MB)                                                                      \
-    vnni_tile(codes + n * row_bytes, row_bytes, scales + n * groups,                           \
-              mins ? mins + n * groups : NULL, group, bits, K, &X, m0, NR, MB, out)
+    vnni_tile(codes + n * row_bytes, row_bytes, scales_from(scales, n * groups, half),         \
+              mins ? scales_from(mins, n * groups, half) : NULL, half, group, bits, K, &X, m0, \
+              NR, MB, out)
 
 /* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL); mins NULL when every min is
  * zero. Needs K a multiple of 32 and group 32 (4-bit) or 16, 32 or a multiple of 64 (8-bit);
  * returns 0 (nothing written) when it cannot run. */
-int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const float *scales,
-                         const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
-                         int M, int N, int K) {
+int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *scales,
+                         const void *mins, int half, int bits, int group, const uint16_t *bias,
+                         uint16_t *y, int M, int N, int K) {
     if (K % 32 || K % group || (bits == 4 && group != 32) ||
         (bits == 8 && group != 16 && group != 32 && group % 64))
         return 0;
@@ -467,8 +529,9 @@ int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const float *s
             long ahead = (long)(t + VNNI_AHEAD) * nr;
             int last = ahead + nr > N ? N : (int)ahead + nr;
             vnni_prefetch(codes + ahead * row_bytes, (last - ahead) * row_bytes);
-            vnni_prefetch(scales + ahead * groups, (last - ahead) * groups * 4);
-            if (mins) vnni_prefetch(mins + ahead * groups, (last - ahead) * groups * 4);
+            long scale_bytes = (last - ahead) * groups * (half ? 2 : 4);
+            vnni_prefetch(scales_from(scales, ahead * groups, half), scale_bytes);
+            if (mins) vnni_prefetch(scales_from(mins, ahead * groups, half), scale_bytes);
         }
         for (int m0 = 0; m0 < M; m0 += VNNI_MAX_ROWS) {
             int mb = M - m0 < VNNI_MAX_ROWS ? M - m0 : VNNI_MAX_ROWS;
@@ -601,7 +664,7 @@ static void quantize_rows(const uint16_t *x, int M, int K, int group, int8_t *xq
 
 struct amx_args {
     const int8_t *xq;
-    const float *dx, *xs, *sc, *mn;
+    const float *dx, *xs, *sc, *mn; /* sc, mn: the tile's scales and mins, as float32 */
     int group, K, M, c, two, rows, nibbles; /* nibbles: unsigned 4-bit codes, else int8 */
 };
 
@@ -712,9 +775,9 @@ static void unpack_nibbles(const uint8_t *codes, int rows, int K, uint8_t *to) {
 /* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL) on AMX-INT8, the activations
  * quantized per 32 columns; mins NULL when every min is zero (Q8_0, Q6_K, int8).
  * Needs group 16 or a multiple of 32; returns 0 (nothing written) when it cannot run. */
-int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const float *scales,
-                         const float *mins, int bits, int group, const uint16_t *bias, uint16_t *y,
-                         int M, int N, int K) {
+int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const void *scales,
+                         const void *mins, int half, int bits, int group, const uint16_t *bias,
+                         uint16_t *y, int M, int N, int K) {
     if (!amx_ok || K % 32 || (group != 16 && group % 32) || K % group) return 0;
     int chunks = (M + 15) / 16, groups = K / group, tiles = (N + 15) / 16;
     int8_t *xq = aligned_alloc(64, (size_t)chunks * K * 16);
@@ -734,6 +797,7 @@ int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const float *sc
         cfg.rows[3] = cfg.rows[4] = (uint8_t)(kb / 4);                    /* B: k quads x m */
         _tile_loadconfig(&cfg);
         int8_t *pad = calloc(16, (size_t)K); /* a last partial tile, zero rows after N */
+        float *wide = half ? malloc(sizeof(float) * 32 * (size_t)groups) : NULL;
         v16f acc[2][16];
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
@@ -743,15 +807,19 @@ int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const float *sc
             if (bits == 4) unpack_nibbles(codes + n0 * row_bytes, rows, K, (uint8_t *)(a = pad));
             else if (rows < 16) a = memcpy(pad, a, (size_t)rows * K);
             long following = t + 1 < tiles ? (N - n0 - 16 < 16 ? N - n0 - 16 : 16) : 0;
+            long scale_bytes = following * groups * (half ? 2 : 4);
             struct ahead next = {
                 {(const char *)(codes + (n0 + 16) * row_bytes),
-                 (const char *)(scales + (long)(n0 + 16) * groups),
-                 (const char *)(mins ? mins + (long)(n0 + 16) * groups : NULL)},
-                {following * row_bytes, following * groups * 4, mins ? following * groups * 4 : 0}};
+                 (const char *)scales_from(scales, (long)(n0 + 16) * groups, half),
+                 (const char *)(mins ? scales_from(mins, (long)(n0 + 16) * groups, half) : NULL)},
+                {following * row_bytes, scale_bytes, mins ? scale_bytes : 0}};
+            long first = (long)n0 * groups, count = (long)rows * groups;
+            const float *sc = as_float(scales, first, count, half, wide);
+            const float *mn =
+                mins ? as_float(mins, first, count, half, half ? wide + 16 * groups : NULL) : NULL;
             for (int c = 0; c < chunks; c += 2) {
-                struct amx_args p = {xq, dx, xs, scales + (long)n0 * groups,
-                                      mins ? mins + (long)n0 * groups : NULL, group, K, M, c,
-                                      c + 1 < chunks, rows, bits == 4};
+                struct amx_args p = {xq, dx, xs, sc, mn, group, K, M, c, c + 1 < chunks, rows,
+                                      bits == 4};
                 amx_rows(a, K, &p, acc, &next);
                 int left = M - c * 16;
                 store_tile(acc[0], rows, left < 16 ? left : 16, bias, y + (long)c * 16 * N, N, n0);
@@ -760,6 +828,7 @@ int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const float *sc
             }
         }
         free(pad);
+        free(wide);
         _tile_release();
     }
     free(xq);
