@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvflow.engine.async_llm import AsyncEngine
-from kvflow.engine.async_stats import IterationStats
+from kvflow.engine.async_stats import IterationStats, StepWatchdog
 from kvflow.engine.engine_client import EngineDeadError, EngineUnavailableError
 from kvflow.sampling_params import SamplingParams
 from support.fake_engine import SlowRunner, make_llm_engine
@@ -307,6 +307,29 @@ def test_watchdog_marks_a_long_step_unhealthy(caplog):
     assert not during and after
     assert any("--watchdog-timeout" in r.message for r in caplog.records)
     assert not any(t.name.startswith("kvflow-") for t in threading.enumerate())
+
+
+def test_watchdog_catches_a_long_step_begun_while_it_waits_on_a_deadline(caplog):
+    """Back-to-back short steps leave the watcher waiting on the first one's deadline, and a
+    step's start does not wake it then: a long step begun meanwhile is still caught, at its own
+    deadline, and the watcher is idle again once steps stop."""
+    dog = StepWatchdog(0.3)
+    try:
+        with caplog.at_level("WARNING", logger="kvflow.engine"):
+            for _ in range(5):
+                dog.begin()
+                time.sleep(0.02)
+                dog.end()
+            dog.begin()  # the long step
+            began = time.monotonic()
+            while not any("--watchdog-timeout" in r.message for r in caplog.records):
+                assert time.monotonic() - began < 3.0, "the long step was never reported"
+                time.sleep(0.01)
+            assert dog.stalled and time.monotonic() - began >= 0.3
+            dog.end()
+        assert not dog.stalled
+    finally:
+        assert not dog.stop(2.0).is_alive()
 
 
 def test_call_utility_runs_an_engine_method_between_steps():

@@ -34,10 +34,11 @@ def native_available() -> bool:
 def route(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> str:
     """The kernel `rows` activation rows of `dtype` take against `weight`: "vnni", "amx",
     "float" or "dequant" (see the module's doc)."""
-    return _route(rows, weight.bits, weight.group, dtype)
+    beyond = max(MAX_KERNEL_ROWS, MAX_AMX_ROWS) + 1  # every count above the limits routes alike
+    return _route(min(rows, beyond), weight.bits, weight.group, dtype)
 
 
-@functools.cache  # a few hundred keys at most; every projection of a step asks
+@functools.cache  # every projection of a step asks; rows clamped, so a few hundred keys at most
 def _route(rows: int, bits: int, group: int, dtype: torch.dtype) -> str:
     if not native_available() or dtype not in (torch.bfloat16, torch.float32):
         return "dequant"

@@ -59,7 +59,8 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* Element i of a weight's scales or mins: float16 (`half`) or float32. F16C's conversion, not
  * AVX512-FP16's scalar one (vcvtsh2ss merges into its destination: a dependency through every
- * conversion of a loop, which ran the AMX kernel at a third of its speed). */
+ * conversion of a loop; the AMX kernel ran at a third of its speed converting so per row, and
+ * now widens a tile's scales once, `as_float`). */
 static inline float scale_at(const void *p, long i, int half) {
     if (!half) return ((const float *)p)[i];
     uint16_t h;
@@ -396,16 +397,12 @@ static inline __m512 load_scales16(const void *at, __mmask16 used, int half) {
  * only, not reading past the row. */
 static inline __m512 load_scales(const void *at, long bytes, int per, __mmask16 used, int half) {
     if (bytes < 64) return load_scales16(at, used, half);
-    if (half) {
-        __m128i h = per == 4   ? _mm_loadl_epi64((const __m128i *)at)
-                    : per == 2 ? _mm_cvtsi32_si128(*(const int32_t *)at)
-                               : _mm_set1_epi16(*(const int16_t *)at);
-        return _mm512_castps128_ps512(per == 1 ? _mm_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(h)))
-                                               : _mm_cvtph_ps(h));
-    }
+    if (per == 1) return _mm512_set1_ps(scale_at(at, 0, half));
+    if (half) /* 4 or 2 float16 values: 8 or 4 bytes */
+        return _mm512_castps128_ps512(
+            _mm_cvtph_ps(per == 4 ? _mm_loadl_epi64((const __m128i *)at) : _mm_loadu_si32(at)));
     if (per == 4) return _mm512_castps128_ps512(_mm_loadu_ps(at));
-    if (per == 2) return _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)at)));
-    return _mm512_set1_ps(*(const float *)at);
+    return _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)at)));
 }
 
 /* out[r * mb + m] = row r of the weight tile . activation row m0 + m, for r < nr, m < mb
