@@ -7,7 +7,7 @@ as requests finish, preemption in a small KV pool, prefix-cache hits), so greedy
 random outputs must be identical, and the padded path must really have run at several buckets.
 The padded engine also runs with async scheduling, as a CUDA engine does (the ids fed into
 the graphs' static inputs on the device). Also: `--enforce-eager` and
-`--[no-]async-scheduling` reach EngineArgs, and CPU engines get neither graphs nor async
+`--[no-]async-scheduling` reach EngineArgs, and float32 CPU engines get neither graphs nor async
 scheduling by default.
 """
 
@@ -108,7 +108,7 @@ def padded(llm: LLM) -> DecodeGraphs:
 
 def test_padded_decode_engine_equals_plain_engine(checkpoint) -> None:
     plain = LLM(checkpoint, **ENGINE)
-    assert plain.engine.core.runner.decode_graphs is None  # CPU engines never get graphs
+    assert plain.engine.core.runner.decode_graphs is None  # float32 CPU engines get no graphs
     assert not plain.engine.core.async_scheduling  # nor async scheduling
     expected = run(plain)
     stats = plain.engine.stats()

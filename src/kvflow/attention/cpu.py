@@ -49,7 +49,7 @@ def cpu_paged_attention(
     if native:
         return native_attention.paged_attention(
             q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, meta.max_seq_len, scale, sliding_window,
+            meta.seq_lens, scale, sliding_window,
         )  # fmt: skip
     if meta.max_query_len > 1 and _new_prompts_only(meta):
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)

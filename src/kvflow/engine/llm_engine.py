@@ -42,7 +42,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # None: `builder.default_max_num_batched_tokens`
     max_num_queued_reqs: int | None = None
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # CUDA: no graphs, every step eager (the CPU always is)
+    enforce_eager: bool = False  # no CUDA graphs, no CPU replays (cpu_replay): every step eager
     # Schedule the next step while this one runs (EngineCore); None: on for CUDA, off for CPU
     async_scheduling: bool | None = None
     seed: int = 0

@@ -179,8 +179,24 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        return self.run_layers(self.embed(input_ids, positions), kv_caches, meta)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layers' inputs for the tokens: (embeddings, cos, sin)."""
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        return (hidden, *self.rotary_emb(positions, hidden.dtype))
+
+    def run_layers(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final hidden states from `embed`'s inputs. On the CPU with native kernels a
+        decode step here is only kernel calls and views (what `worker.cpu_replay` records)."""
+        hidden, cos, sin = inputs
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)

@@ -28,6 +28,7 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.structured.backend import GrammarBackend
 from kvflow.structured.config import StructuredOutputsConfig
 from kvflow.worker import null_runner
+from kvflow.worker.cpu_replay import CpuDecodeReplay
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_cache_shape
@@ -258,8 +259,9 @@ def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str
 
 
 def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: int, eos):
-    """The ModelRunner over `model` with its KV tensors (and on CUDA its decode graphs); on the
-    CPU the weights are packed first and the native kernels built (not on the first request)."""
+    """The ModelRunner over `model` with its KV tensors and, unless --enforce-eager, its decode
+    graphs (CUDA) or recorded decode steps (the CPU, `cpu_replay`); on the CPU the weights are
+    packed first and the native kernels built (not on the first request)."""
     if device == "cpu":
         prepack_for_cpu(model)
         native = native_available()
@@ -271,6 +273,10 @@ def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: in
             model, kv_caches, args.block_size, max_model_len, args.max_num_seqs, device
         )
         graphs.capture()
+    elif device == "cpu" and not args.enforce_eager and CpuDecodeReplay.applies(model, dtype):
+        graphs = CpuDecodeReplay(
+            model, kv_caches, args.block_size, max_model_len, args.max_num_seqs
+        )
     runner = ModelRunner(
         model, kv_caches, args.block_size, hf_config.vocab_size, eos, device, graphs
     )

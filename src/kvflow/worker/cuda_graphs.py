@@ -207,9 +207,8 @@ class DecodeGraphs:
         """The padded forward of `bucket` rows over the static buffers (fresh metadata, see
         the module docstring), then the logits and their greedy tokens: the graph covers the
         step up to the sampler, whose greedy path then launches nothing."""
-        ids, positions, slots = self._longs[: 3 * bucket].view(3, bucket).unbind(0)
         meta = AttentionMetadata(
-            slot_mapping=slots,
+            slot_mapping=self._longs[2 * bucket : 3 * bucket],
             query_start_loc=self._query_start_loc[: bucket + 1],
             seq_lens=self._seq_lens[:bucket],
             block_tables=self._block_tables[:bucket],
@@ -217,9 +216,14 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
             block_size=self.block_size,
         )
-        hidden = self.model(ids, positions, self.kv_caches, meta)
+        hidden = self._hidden(bucket, meta)
         logits = self.model.compute_logits(hidden)
         return DecodeOutput(hidden, logits, raw_argmax(logits))
+
+    def _hidden(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states of the bucket's rows (ids and positions from the buffers)."""
+        ids, positions = self._longs[: 2 * bucket].view(2, bucket).unbind(0)
+        return self.model(ids, positions, self.kv_caches, meta)
 
     def _load(
         self,

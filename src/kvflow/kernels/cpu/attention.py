@@ -21,7 +21,6 @@ def paged_attention(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-    max_seq_len: int,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
@@ -30,8 +29,9 @@ def paged_attention(
     block_size, Hkv, D], then each token of q [T, Hq, D] attends over its request's context up
     to its own position (the last `sliding_window` positions with a window) -> [T, Hq, D].
     Request b's queries are rows query_start_loc[b] .. query_start_loc[b + 1] (int32 [B + 1]),
-    its context seq_lens[b] tokens (int32 [B], at most `max_seq_len`) through block_tables[b]
-    (int32 [B, max blocks]).
+    its context seq_lens[b] tokens (int32 [B]) through block_tables[b] (int32 [B, max blocks]).
+    Every argument of the kernel call is fixed by the tensors' addresses and shapes (nothing
+    per step's values), so a recorded call replays (`worker.cpu_replay`).
     All bf16, head dim a multiple of 16 up to 256; needs `native_available()`."""
     lib = library()
     assert lib is not None, "call native_available() first"
@@ -61,7 +61,6 @@ def paged_attention(
         block_size,
         sliding_window or 0,
         scale,
-        max_seq_len,
         out.data_ptr(),
     )
     return out

@@ -87,7 +87,7 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_paged_attention.restype = None
     ptr, num = ctypes.c_void_p, ctypes.c_int
     lib.kvflow_paged_attention.argtypes = [ptr, num, ptr, ptr, num, ptr, ptr, ptr, ptr, num]
-    lib.kvflow_paged_attention.argtypes += [ptr, ptr] + [num] * 6 + [ctypes.c_float, num, ptr]
+    lib.kvflow_paged_attention.argtypes += [ptr, ptr] + [num] * 6 + [ctypes.c_float, ptr]
     for name, args in {
         "kvflow_rms_norm": [ptr, ptr, ptr, ctypes.c_float, ptr, num, num],
         "kvflow_rotary": [ptr, num, num, num, num, ptr, num, ptr, num],

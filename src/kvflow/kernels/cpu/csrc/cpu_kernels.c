@@ -610,11 +610,11 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                             uint16_t *kc, uint16_t *vc, const int32_t *block_tables,
                             int max_blocks, const int32_t *query_start_loc,
                             const int32_t *seq_lens, int B, int Hq, int Hkv, int D,
-                            int block_size, int window, float scale, int max_seq_len,
-                            uint16_t *out) {
-    int G = Hq / Hkv, T = query_start_loc[B], decodes = 0, tiles = 0;
+                            int block_size, int window, float scale, uint16_t *out) {
+    int G = Hq / Hkv, T = query_start_loc[B], decodes = 0, tiles = 0, max_seq_len = 1;
     for (int b = 0; b < B; b++) {
         int len = query_start_loc[b + 1] - query_start_loc[b];
+        if (seq_lens[b] > max_seq_len) max_seq_len = seq_lens[b];
         if (len == 1) decodes++;
         else tiles += (len + QT - 1) / QT;
     }
@@ -632,7 +632,7 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
             }
     }
     qsort(work, (size_t)items, sizeof(work_item), by_cost_desc);
-    size_t row_len = (size_t)(max_seq_len > 0 ? max_seq_len : 1) + 16, stride = (size_t)Hkv * D;
+    size_t row_len = (size_t)max_seq_len + 16, stride = (size_t)Hkv * D;
     size_t rows = (size_t)QT * G;
     /* a few short decode items: waking another thread costs more than it saves; a long
      * context's heads (a lone request deep into its context) are worth splitting */
