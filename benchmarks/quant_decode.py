@@ -128,7 +128,10 @@ def main() -> int:
     if args.threads:  # one thread: no OpenMP barrier waits for a core another process holds
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
-    engines = {m: LLM(quantization=m, max_model_len=2048) for m in ("gguf", "none")}
+    # eager steps: a replayed step (worker/cpu_replay.py) calls the kernels without the wrappers
+    engines = {
+        m: LLM(quantization=m, max_model_len=2048, enforce_eager=True) for m in ("gguf", "none")
+    }
     rows: dict[tuple[str, int], list] = {(m, b): [] for b in batches for m in engines}
     for _ in range(args.repeats):  # alternated, so that drift shows in both
         for batch in batches:

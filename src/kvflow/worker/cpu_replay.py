@@ -54,6 +54,9 @@ _ALLOCATIONS = {
 }
 
 
+_RECORDING = threading.Lock()  # engines in one process record in turn
+
+
 class ComputeOpError(RuntimeError):
     """A torch op that computes ran inside a recorded forward."""
 
@@ -129,9 +132,14 @@ class _Guard(TorchDispatchMode):
         if func in _ALLOCATIONS:
             self.keep.append(out)
             return out
-        sources = {t.untyped_storage().data_ptr() for t in _tensors(args, kwargs)}
-        outs = list(_tensors((out,), None))
-        if not func.is_view or any(t.untyped_storage().data_ptr() not in sources for t in outs):
+        if not func.is_view:
+            raise ComputeOpError(f"{func} computes")
+        try:  # a view op may still copy (reshape, to): its output must share an input's memory
+            sources = {t.untyped_storage().data_ptr() for t in _tensors(args, kwargs)}
+            outs = [t.untyped_storage().data_ptr() for t in _tensors((out,), None)]
+        except NotImplementedError as e:  # oneDNN's packed (opaque) tensors have no storage
+            raise ComputeOpError(f"{func} on a tensor without storage") from e
+        if any(ptr not in sources for ptr in outs):
             raise ComputeOpError(f"{func} computes")
         return out
 
@@ -167,15 +175,16 @@ def record(recording: Recording) -> Iterator[None]:
 
         return call
 
-    bound = list(_bound_kernels())
-    for lib, name, kernel in bound:
-        setattr(lib, name, recorder(kernel))
-    try:
-        with _Guard(recording.keep):
-            yield
-    finally:
+    with _RECORDING:  # one at a time: each wraps the kernels as it found them, then restores
+        bound = list(_bound_kernels())
         for lib, name, kernel in bound:
-            setattr(lib, name, kernel)
+            setattr(lib, name, recorder(kernel))
+        try:
+            with _Guard(recording.keep):
+                yield
+        finally:
+            for lib, name, kernel in bound:
+                setattr(lib, name, kernel)
 
 
 class CpuDecodeReplay(DecodeGraphs):
