@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
 
 from kvflow import LLM, SamplingParams
 from kvflow.server.args import add_serve_arguments, engine_args_from
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
-from support.decode_steps import randomize
-from support.tiny_models import word_tokenizer
-
-VOCAB = 256
+from support.engine_schedule import SMALL_POOL, VOCAB, params, prompts, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -41,41 +37,10 @@ def checkpoint(tmp_path_factory):
         max_position_embeddings=256,
         tie_word_embeddings=True,
     )
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize(hf, seed=5, embed_std=0.1)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(path)
-    word_tokenizer(VOCAB).save_pretrained(path)
-    return str(path)
+    return save_checkpoint(tmp_path_factory, config, "tiny-llama")
 
 
-ENGINE = dict(
-    dtype="float32",
-    num_blocks=28,  # 27 x 4 = 108 servable tokens: the batch below must preempt
-    block_size=4,
-    max_num_seqs=8,
-    max_num_batched_tokens=16,
-    max_model_len=64,
-)
-
-
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(3)
-    lengths = [3, 9, 17, 5, 12, 1, 22]
-    out = [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-    out.append(out[2][:10] + [7, 8])  # shares a prefix block run with prompt 2
-    return out
-
-
-def params() -> list[SamplingParams]:
-    greedy = [
-        SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(6)
-    ]
-    seeded = [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=9, ignore_eos=True)
-        for i in range(2)
-    ]
-    return greedy + seeded
+ENGINE = dict(dtype="float32", **SMALL_POOL)
 
 
 def run(llm: LLM) -> list[list[int]]:

@@ -17,7 +17,8 @@ reach the kernels through tensors. So, per batch size B up to `MAX_BATCH`:
 
 The guard: a torch dispatch mode sees every torch op of the recorded forward, and anything but
 an allocation or a view (an op that computes, which a replay would skip) makes the recording
-unusable: B then runs eagerly from then on (logged once). Every kernel a library exposes is
+unusable: that step runs eagerly, and after RECORD_TRIES refusals every step at B does
+(logged once). Every kernel a library exposes is
 bound (its argtypes set) when the library loads (kernels/cpu/build.py, quant.py); `record`
 wraps each bound `kvflow_*` function of both libraries for the capturing thread only.
 
@@ -33,6 +34,7 @@ import contextlib
 import ctypes
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -46,6 +48,9 @@ from kvflow.worker.cuda_graphs import DecodeGraphs
 logger = logging.getLogger("kvflow.engine")
 
 MAX_BATCH = 32  # decode batch sizes replayed; past it a step is bound by its kernels
+# recordings a batch size gets before it stays eager: a one-time torch op (a value computed on
+# first use, as QuantizedWeight.has_mins) refuses only the step it runs in
+RECORD_TRIES = 3
 _ALLOCATIONS = {
     torch.ops.aten.empty.memory_format,
     torch.ops.aten.empty_like.default,
@@ -63,22 +68,30 @@ class ComputeOpError(RuntimeError):
 
 @dataclass
 class Recording:
-    """Kernel calls with the tensors they address (`keep`), as recorded; `relocate` moves
-    those tensors into an arena that every batch size's recording shares."""
+    """One batch size's layers as recorded: the static `inputs` they read, the kernel calls,
+    and while recording the tensors those calls address (`keep`). `relocate` notes the calls'
+    addresses as offsets into an arena every batch size shares; `bind` points them (and `out`,
+    the final hidden states) into one."""
 
+    inputs: tuple[torch.Tensor, ...]
     calls: list[tuple[Callable, tuple]] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)
+    out: torch.Tensor | None = None
     # per call, its arguments with every address inside a kept tensor as an _ArenaOffset
     _symbolic: list[tuple[Callable, tuple]] = field(default_factory=list)
+    _out_at: tuple[int, torch.Size, torch.dtype] | None = None  # offset, shape, dtype
 
-    def replay(self) -> None:
+    def replay(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        for static, value in zip(self.inputs, inputs, strict=True):
+            static.copy_(value)
         for kernel, args in self.calls:
             kernel(*args)
+        return self.out
 
-    def relocate(self, out: torch.Tensor) -> tuple[int, Callable[[torch.Tensor], torch.Tensor]]:
-        """Lay the kept tensors out one after another (64-byte aligned) and note each call's
-        addresses as offsets into that layout; returns (the layout's bytes, a function from an
-        arena to `out`'s view in it). The kept tensors go: `bind` gives the calls addresses."""
+    def relocate(self, out: torch.Tensor) -> int:
+        """Lay the kept tensors out one after another (64-byte aligned), note each call's
+        addresses inside them (and `out`'s) as offsets into that layout, and let the kept
+        tensors go; returns the layout's bytes. The calls run again once `bind` places them."""
         spans, size = [], 0
         for t in self.keep:
             storage = t.untyped_storage()
@@ -97,22 +110,20 @@ class Recording:
         self._symbolic = [(k, tuple(symbolic(a) for a in args)) for k, args in self.calls]
         offset = symbolic(out.data_ptr())
         assert isinstance(offset, _ArenaOffset), "the output is allocated by the forward"
-        shape, dtype = out.shape, out.dtype
-        self.keep, self.calls = [], []
-
-        def view(arena: torch.Tensor) -> torch.Tensor:
-            start = offset.bytes
-            return arena[start : start + out.nbytes].view(dtype).view(shape)
-
-        return size, view
+        self._out_at = (offset.bytes, out.shape, out.dtype)
+        self.keep, self.calls, self.out = [], [], None
+        return size
 
     def bind(self, arena: torch.Tensor) -> None:
-        """The calls' addresses in `arena` (uint8, at least the layout's bytes)."""
+        """The calls' addresses and `out` in `arena` (uint8, at least the layout's bytes)."""
         base = arena.data_ptr()
         self.calls = [
             (k, tuple(base + a.bytes if isinstance(a, _ArenaOffset) else a for a in args))
             for k, args in self._symbolic
         ]
+        start, shape, dtype = self._out_at
+        nbytes = shape.numel() * dtype.itemsize
+        self.out = arena[start : start + nbytes].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -201,11 +212,10 @@ class CpuDecodeReplay(DecodeGraphs):
         cap = max(1, min(max_num_seqs, MAX_BATCH))
         super().__init__(model, kv_caches, block_size, max_model_len, cap, "cpu", capture=False)
         self.buckets = list(range(1, cap + 1))
-        # batch size -> (static inputs, the recording, the output's view); None: runs eagerly
-        self._recordings: dict[int, tuple[tuple, Recording, torch.Tensor] | None] = {}
+        self._recordings: dict[int, Recording | None] = {}  # batch size -> None: runs eagerly
+        self.refusals: Counter[int] = Counter()  # batch size -> recordings refused
         # the recordings' intermediate tensors: one step runs at a time, so they share it
         self._arena = torch.empty(0, dtype=torch.uint8)
-        self._views: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     @staticmethod
     def applies(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -225,37 +235,33 @@ class CpuDecodeReplay(DecodeGraphs):
         inputs = layers.embed(ids, positions)
         if bucket not in self._recordings:
             return self._record(bucket, inputs, meta)
-        entry = self._recordings[bucket]
-        if entry is None:
+        recording = self._recordings[bucket]
+        if recording is None:
             return layers.run_layers(inputs, self.kv_caches, meta)
-        statics, recording, out = entry
-        for static, value in zip(statics, inputs, strict=True):
-            static.copy_(value)
-        recording.replay()
-        return out
+        return recording.replay(inputs)
 
     def _record(self, bucket: int, inputs: tuple, meta: AttentionMetadata) -> torch.Tensor:
         """Run the layers at `bucket` rows over copies of `inputs` kept as the static inputs,
         recording their kernel calls, then move what they address into the arena; a refused
-        recording leaves the size eager."""
-        statics = tuple(t.clone() for t in inputs)
-        recording = Recording()
+        recording leaves the step eager (and, the RECORD_TRIES-th time, the size)."""
+        recording = Recording(tuple(t.clone() for t in inputs))
         try:
             with record(recording):
-                out = self.model.model.run_layers(statics, self.kv_caches, meta)
+                out = self.model.model.run_layers(recording.inputs, self.kv_caches, meta)
         except ComputeOpError as e:
-            logger.info("decode batch %d runs eagerly: its layers run torch ops (%s)", bucket, e)
-            self._recordings[bucket] = None
+            self.refusals[bucket] += 1
+            if self.refusals[bucket] == RECORD_TRIES:
+                logger.info(
+                    "decode batch %d runs eagerly: its layers run torch ops (%s)", bucket, e
+                )
+                self._recordings[bucket] = None
             return self.model.model.run_layers(inputs, self.kv_caches, meta)
-        size, self._views[bucket] = recording.relocate(out)
-        self._recordings[bucket] = (statics, recording, out)
+        size = recording.relocate(out)
+        self._recordings[bucket] = recording
+        rebind = [recording]
         if size > self._arena.numel():  # every recording's addresses move to the larger one
             self._arena = torch.empty(size, dtype=torch.uint8)
-            for b, entry in self._recordings.items():
-                if entry is not None:
-                    entry[1].bind(self._arena)
-                    self._recordings[b] = (entry[0], entry[1], self._views[b](self._arena))
-        else:
-            recording.bind(self._arena)
-            self._recordings[bucket] = (statics, recording, self._views[bucket](self._arena))
+            rebind = [r for r in self._recordings.values() if r is not None]
+        for r in rebind:
+            r.bind(self._arena)
         return out

@@ -42,7 +42,9 @@ and the argmax would cost the host three Triton launches and the Python around t
 On CUDA (`capture` left True) `capture()` warms each bucket up and captures one graph per bucket,
 largest first, into one shared memory pool; `run()` replays. With `capture=False` (and always on
 the CPU) `run()` executes the same padded forward eagerly: this is how the CPU tests check the
-padding, and how the GPU check compares graph replay with eager execution.
+padding, and how the GPU check compares graph replay with eager execution. The CPU's own
+replay (`cpu_replay.CpuDecodeReplay`) is a subclass at exact batch sizes: no padding rows,
+`_hidden` replaced by recorded kernel calls.
 """
 
 from __future__ import annotations
