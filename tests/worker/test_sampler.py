@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.greedy import row_argmax
+from kvflow.worker.greedy import chunked_argmax, row_argmax
 from kvflow.worker.sampler import (
     SamplingMetadata,
     TokenHistory,
@@ -281,34 +281,64 @@ def test_top_p_renormalises_after_top_k() -> None:
     assert set(out.sampled.tolist()) == {0}
 
 
-@pytest.mark.parametrize("vocab", [128256, 49152, 256, 1000, 65521, 7, 1], ids=str)
-def test_row_argmax_is_torch_argmax_first_index_on_ties(vocab: int) -> None:
-    """The chunked reduction gives torch.argmax's index (the first of tied maxima, across and
-    inside chunks; a prime vocab is one chunk) and the row maximum, at batch 1 and larger."""
+def _native_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvflow.kernels.cpu import build, ops
+
+    if not build.native_available():
+        pytest.skip("the native CPU kernels did not build")
+    return ops.row_argmax(logits)
+
+
+ARGMAX_PATHS = {"torch chunked": chunked_argmax, "native": _native_argmax}
+
+
+@pytest.mark.parametrize("path", ARGMAX_PATHS)
+@pytest.mark.parametrize("vocab", [128256, 49152, 256, 1000, 65521, 7, 1, 17], ids=str)
+def test_row_argmax_is_torch_argmax_first_index_on_ties(vocab: int, path: str) -> None:
+    """Both reductions give torch.argmax's index (the first of tied maxima, across and inside
+    chunks or vector lanes; a prime vocab is one chunk; 17: one vector and a tail) and the row
+    maximum, at batch 1 and larger."""
     from support.logit_rows import hard_rows
 
     for logits in hard_rows(vocab, gen(vocab)):
         for batch in (logits[:1], logits):
-            argmax, row_max = row_argmax(batch)
+            argmax, row_max = ARGMAX_PATHS[path](batch)
             assert argmax.dtype == torch.int64
             assert torch.equal(argmax, batch.argmax(dim=-1))
             torch.testing.assert_close(row_max, batch.amax(dim=-1), rtol=0, atol=0, equal_nan=True)
 
 
-def test_row_argmax_chunks_fewer_as_the_batch_grows() -> None:
-    """About 256 rows of work in all: 256 chunks at batch 1, whole rows from batch 129 on."""
+def test_row_argmax_takes_the_native_kernel_for_cpu_float32(monkeypatch) -> None:
+    """float32 logits on the CPU go to the native kernel when it loaded; others to torch."""
+    from kvflow.kernels.cpu import build, ops
+
+    if not build.native_available():
+        pytest.skip("the native CPU kernels did not build")
+    calls = []
+    native = ops.row_argmax
+    monkeypatch.setattr(ops, "row_argmax", lambda x: calls.append(x.dtype) or native(x))
+    logits = torch.randn(4, 300, generator=gen(5))
+    assert torch.equal(row_argmax(logits)[0], logits.argmax(-1))
+    assert torch.equal(row_argmax(logits.double())[0], logits.argmax(-1))
+    assert calls == [torch.float32]
+
+
+@pytest.mark.parametrize("path", ARGMAX_PATHS)
+def test_row_argmax_chunks_fewer_as_the_batch_grows(path: str) -> None:
+    """About 256 rows of work in all: 256 chunks at batch 1, whole rows from batch 129 on; both
+    reductions right at every batch size."""
     from kvflow.worker.greedy import _num_chunks
 
     assert [_num_chunks(128256, b) for b in (1, 2, 8, 64, 129, 256)] == [256, 128, 32, 4, 1, 1]
     assert _num_chunks(65521, 1) == 1 and _num_chunks(1, 1) == 1
     for batch in (3, 40, 300):
         logits = torch.randint(0, 4, (batch, 1000), generator=gen(batch)).float()
-        argmax, row_max = row_argmax(logits)
+        argmax, row_max = ARGMAX_PATHS[path](logits)
         assert torch.equal(argmax, logits.argmax(dim=-1))
         assert torch.equal(row_max, logits.amax(dim=-1))
 
 
-def test_all_greedy_is_one_chunked_reduction_not_a_sum_or_full_argmax(monkeypatch) -> None:
+def test_all_greedy_is_one_reduction_not_a_sum_or_full_argmax(monkeypatch) -> None:
     """The all-greedy path reduces the logits once: no row sum, no torch.argmax over rows."""
     logits = rand_logits(3, seed=11, vocab=1024)
     expected = logits.argmax(-1)

@@ -8,7 +8,6 @@ or into an SSE error event once a stream has begun.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -128,6 +127,10 @@ class BaseServing:
         self.request_timeout = request_timeout
         self.log_requests = log_requests
         self.trust_request_chat_template = trust_request_chat_template
+        # The longest token's text: no prompt of more than max_model_len times this many
+        # characters can fit (vLLM's bound, checked before the tokenizer runs). Walking the
+        # vocabulary takes ~0.2 s: here at start-up, not on the first request.
+        self.max_chars_per_token = max(len(token) for token in self.tokenizer.get_vocab())
 
     @property
     def tokenizer(self) -> Any:
@@ -136,12 +139,6 @@ class BaseServing:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
-
-    @functools.cached_property
-    def max_chars_per_token(self) -> int:
-        """The longest token's text: no prompt of more than max_model_len times this many
-        characters can fit (vLLM's bound, checked before the tokenizer runs)."""
-        return max(len(token) for token in self.tokenizer.get_vocab())
 
     def check_model(self, model: str | None) -> None:
         if model and model not in self.served_names:

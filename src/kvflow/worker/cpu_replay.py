@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import importlib
 import logging
 import threading
 from collections import Counter
@@ -216,6 +217,9 @@ class CpuDecodeReplay(DecodeGraphs):
         self.refusals: Counter[int] = Counter()  # batch size -> recordings refused
         # the recordings' intermediate tensors: one step runs at a time, so they share it
         self._arena = torch.empty(0, dtype=torch.uint8)
+        # The guard's dispatch mode imports torch._dynamo on first use (0.6-0.9 s): at start-up,
+        # not inside the first request's first decode step.
+        importlib.import_module("torch._dynamo")
 
     @staticmethod
     def applies(model: torch.nn.Module, dtype: torch.dtype) -> bool:

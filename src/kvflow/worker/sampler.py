@@ -2,9 +2,9 @@
 
 `sample()` is a chain of pure tensor functions with no host synchronisation; the only
 device -> host copies happen when a caller reads `SamplerOutput.token_ids` (with the bad rows,
-in one copy) or `.logprobs`. An all-greedy batch without penalties is one chunked reduction
-(`row_argmax`) that gives both the tokens and the bad rows; on CUDA two Triton kernels
-(`kernels.triton.argmax.argmax_rows`), which also lay out the block the host copies.
+in one copy) or `.logprobs`. An all-greedy batch without penalties is one reduction (`row_argmax`:
+the native kernel on the CPU) that gives both the tokens and the bad rows; on CUDA two Triton
+kernels (`kernels.triton.argmax.argmax_rows`), which also lay out the block the host copies.
 `SamplingMetadata.build()` runs every step, so it only makes the tensors a batch needs.
 """
 

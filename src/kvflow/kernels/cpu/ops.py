@@ -1,4 +1,5 @@
-"""The native fused small ops on the CPU (bf16): add + RMSNorm, rotary in place, SiLU-and-mul."""
+"""The native fused small ops on the CPU (bf16): add + RMSNorm, rotary in place, SiLU-and-mul;
+and the greedy tokens of float32 logits."""
 
 from __future__ import annotations
 
@@ -56,3 +57,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(tokens, width // 2)
     lib.kvflow_silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2)
     return out
+
+
+def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax int64 [B], max float32 [B]) of each row of float32 logits [B, V] on the CPU: the
+    first index of the row's maximum, a NaN counting as the maximum (torch.argmax's answer)."""
+    lib = library()
+    assert lib is not None, "check build.native_available() first"
+    logits = logits.contiguous()
+    batch, vocab = logits.shape
+    argmax = torch.empty(batch, dtype=torch.int64)
+    row_max = torch.empty(batch, dtype=torch.float32)
+    lib.kvflow_row_argmax(logits.data_ptr(), batch, vocab, argmax.data_ptr(), row_max.data_ptr())
+    return argmax, row_max

@@ -4,7 +4,8 @@
  *   kvflow_bf16_linear      y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 in and out
  *   kvflow_paged_attention  any step's tokens (prompts, chunks, decodes) over a paged KV cache
  *
- * Both accumulate in float32. bf16 -> float32 is exact (a 16-bit shift); results are rounded to
+ * then the small fused ops of a layer (RMSNorm, rotary, SiLU-and-mul) and the greedy argmax of
+ * float32 logits. The two above accumulate in float32. bf16 -> float32 is exact (a 16-bit shift); results are rounded to
  * nearest even. Built at run time by kvflow/kernels/cpu/build.py with the system C compiler
  * (-march=native: AVX-512 where the CPU has it, through GCC's vector extensions) and loaded with
  * ctypes; it links the OpenMP runtime torch already loaded, so both share one thread pool.
@@ -799,4 +800,49 @@ void kvflow_silu_mul(const uint16_t *gate_up, uint16_t *out, int T, int I) {
             o[i] = float_to_bf16(act * bf16_to_float(u[i]));
         }
     }
+}
+
+/* ---- greedy tokens ----------------------------------------------------------------------- */
+
+/* The first index of row's maximum over n floats, as torch.argmax: a NaN counts as the maximum,
+ * so the first NaN wins; *max gets the maximum (NaN then). Each of 16 lanes keeps its first
+ * maximum (a strict compare), then the lanes' maximum and, among lanes holding it, the
+ * smallest index; NaNs are only flagged in the loop, and looked for again when there are any. */
+static long first_argmax(const float *row, long n, float *max) {
+    const float ninf = -__builtin_inff();
+    v16f best = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf,
+                 ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf};
+    v16i at = {0}, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, nan = {0};
+    long j = 0;
+    for (; j + 16 <= n; j += 16) {
+        v16f v = vload(row + j);
+        v16i more = v > best;
+        nan |= v != v;
+        best = (v16f)(((v16i)v & more) | ((v16i)best & ~more));
+        at = ((lane + (int)j) & more) | (at & ~more);
+    }
+    float m = ninf;
+    long idx = 0;
+    for (int i = 0; i < 16; i++) m = best[i] > m ? best[i] : m;
+    int any_nan = 0, first = 1;
+    for (int i = 0; i < 16; i++) {
+        any_nan |= nan[i];
+        if (best[i] == m && (first || at[i] < idx)) idx = at[i], first = 0;
+    }
+    for (; j < n; j++) { /* the tail: its indices follow every lane's */
+        any_nan |= row[j] != row[j];
+        if (row[j] > m) m = row[j], idx = j;
+    }
+    if (any_nan)
+        for (j = 0; j < n; j++)
+            if (row[j] != row[j]) return *max = row[j], j;
+    *max = m;
+    return idx;
+}
+
+/* argmax[b] (int64) and max[b] of each row of x [B, V] (float32, rows contiguous): greedy
+ * tokens and the row maxima that flag bad rows; rows split among the threads. */
+void kvflow_row_argmax(const float *x, int B, long V, int64_t *argmax, float *max) {
+#pragma omp parallel for schedule(static) if (B > 1)
+    for (int b = 0; b < B; b++) argmax[b] = first_argmax(x + (size_t)b * V, V, max + b);
 }
