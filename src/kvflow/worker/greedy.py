@@ -32,8 +32,8 @@ def raw_argmax(logits: Tensor) -> RawArgmax:
 def row_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     """(argmax int64 [B], max [B]) of each row of `logits` [B, V]: the first index holding the
     row's maximum, as `torch.argmax` gives it (a NaN counts as the maximum and is the maximum).
-    float32 on the CPU: the native kernel (one pass per row, rows split among the threads;
-    3-6x the torch reduction's speed); otherwise `chunked_argmax`."""
+    float32 on the CPU: the native kernel (one pass per row, rows split among the threads, a few
+    times the torch reduction's speed: benchmarks/RESULTS.md); otherwise `chunked_argmax`."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and build.native_available():
         return ops.row_argmax(logits)
     return chunked_argmax(logits)
