@@ -323,14 +323,17 @@ def test_row_argmax_takes_the_native_kernel_for_cpu_float32(monkeypatch) -> None
     assert calls == [torch.float32]
 
 
-@pytest.mark.parametrize("path", ARGMAX_PATHS)
-def test_row_argmax_chunks_fewer_as_the_batch_grows(path: str) -> None:
-    """About 256 rows of work in all: 256 chunks at batch 1, whole rows from batch 129 on; both
-    reductions right at every batch size."""
+def test_chunked_argmax_chunks_fewer_as_the_batch_grows() -> None:
+    """About 256 rows of work in all: 256 chunks at batch 1, whole rows from batch 129 on."""
     from kvflow.worker.greedy import _num_chunks
 
     assert [_num_chunks(128256, b) for b in (1, 2, 8, 64, 129, 256)] == [256, 128, 32, 4, 1, 1]
     assert _num_chunks(65521, 1) == 1 and _num_chunks(1, 1) == 1
+
+
+@pytest.mark.parametrize("path", ARGMAX_PATHS)
+def test_row_argmax_is_right_at_every_batch_size(path: str) -> None:
+    """Both reductions, at batch sizes that change the chunking (and the rows per thread)."""
     for batch in (3, 40, 300):
         logits = torch.randint(0, 4, (batch, 1000), generator=gen(batch)).float()
         argmax, row_max = ARGMAX_PATHS[path](logits)

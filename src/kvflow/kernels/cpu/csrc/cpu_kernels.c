@@ -5,8 +5,8 @@
  *   kvflow_paged_attention  any step's tokens (prompts, chunks, decodes) over a paged KV cache
  *
  * then the small fused ops of a layer (RMSNorm, rotary, SiLU-and-mul) and the greedy argmax of
- * float32 logits. The two above accumulate in float32. bf16 -> float32 is exact (a 16-bit shift); results are rounded to
- * nearest even. Built at run time by kvflow/kernels/cpu/build.py with the system C compiler
+ * float32 logits. The two above accumulate in float32. bf16 -> float32 is exact (a 16-bit
+ * shift); results are rounded to nearest even. Built at run time by kvflow/kernels/cpu/build.py with the system C compiler
  * (-march=native: AVX-512 where the CPU has it, through GCC's vector extensions) and loaded with
  * ctypes; it links the OpenMP runtime torch already loaded, so both share one thread pool.
  */
