@@ -67,6 +67,10 @@ NATIVE_CASES = [  # shapes for the native kernel (every bf16 step with a head di
     ([9, 4], [1, 1], 4, 2, 40, 4, None),  # head dim not a multiple of 16: the reference runs
     ([700, 300], [1, 1], 7, 1, 64, 16, None),  # 7 query rows a KV head: 4, then 3
     ([2100], [1], 9, 3, 64, 16, None),  # a lone long context: its 3 heads on every thread
+    ([0], [300], 4, 2, 64, 16, None),  # a long prompt: 38 blocks of 16 query rows, 10 key chunks
+    ([100, 0], [50, 37], 9, 3, 32, 16, 40),  # a chunk windowed from key 61; 16 rows: 5.3 tokens
+    ([10, 0], [18, 21], 6, 2, 64, 4, 1),  # a window of one on tiles: most chunks hidden from a row
+    ([45, 3], [20, 2], 2, 2, 128, 7, None),  # one query row a token (MHA), blocks of 7
 ]
 
 
@@ -118,6 +122,34 @@ def test_cpu_backend_matches_naive(case, dtype, tol) -> None:
     are bf16 already, so only the output rounds)."""
     assert build.native_available(), "the native kernels should build on this machine"
     _check_backend(case, cpu_paged_attention, dtype, tol)
+
+
+@pytest.fixture
+def vector_prompts():
+    """Prompts on the AVX-512 kernel, where the AMX tiles would take them."""
+    lib = build.library()
+    assert lib is not None
+    lib.kvflow_attention_tiles(0)
+    yield
+    lib.kvflow_attention_tiles(1)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES + NATIVE_CASES if max(c[1]) > 1])
+def test_native_vector_prompts_match_naive(case, vector_prompts) -> None:
+    """The prompt kernel AMX replaces, still taken where tiles are missing or D is not a
+    multiple of 32, kept checked on every CPU."""
+    _check_backend(case, cpu_paged_attention, torch.bfloat16, 2e-2)
+
+
+def test_prompts_take_amx_tiles_where_the_cpu_has_them() -> None:
+    flags = set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    lib = build.library()
+    assert lib is not None
+    assert bool(lib.kvflow_attention_tiles(-1)) == ({"amx_tile", "amx_bf16"} <= flags)
 
 
 def test_metadata_build() -> None:

@@ -97,7 +97,9 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = args
     lib.kvflow_amx_init.restype = ctypes.c_int
-    lib.kvflow_amx_init()  # tile instructions for the linear kernel, where the CPU has them
+    lib.kvflow_amx_init()  # tile instructions for linear layers and prompts, where the CPU has them
+    lib.kvflow_attention_tiles.restype = ctypes.c_int
+    lib.kvflow_attention_tiles.argtypes = [num]
     return lib
 
 

@@ -2,7 +2,8 @@
  * by reading memory (weights, then K/V) once:
  *
  *   kvflow_bf16_linear      y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 in and out
- *   kvflow_paged_attention  any step's tokens (prompts, chunks, decodes) over a paged KV cache
+ *   kvflow_paged_attention  any step's tokens (prompts, chunks, decodes) over a paged KV cache;
+ *                           prompts on AMX-BF16 tiles where the CPU has them
  *
  * then the small fused ops of a layer (RMSNorm, rotary, SiLU-and-mul) and the greedy argmax of
  * float32 logits. The two above accumulate in float32. bf16 -> float32 is exact (a 16-bit
@@ -321,29 +322,37 @@ void kvflow_bf16_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *b
     }
 }
 
-/* Lane i of the result = the sum of a[i]'s 16 lanes: a transposing tree of 15 shuffle-adds in
- * place of 16 separate horizontal sums. */
-static inline v16f sum16(const v16f a[16]) {
+static inline __attribute__((always_inline)) v16f fold2(v16f x, v16f y, int max) {
+    return max ? (v16f)(((v16i)x & (x > y)) | ((v16i)y & ~(x > y))) : x + y;
+}
+
+/* Lane i of the result = the sum (max: the largest) of a[i]'s 16 lanes: a transposing tree of
+ * 15 shuffle-folds in place of 16 separate horizontal ones. */
+static inline __attribute__((always_inline)) v16f fold16(const v16f a[16], int max) {
     v16f t[8], u[4], w[2];
     for (int i = 0; i < 8; i++) /* lanes 0-7 fold a[i], 8-15 fold a[i + 8] */
-        t[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
-                                       21, 22, 23) +
-               __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
-                                       27, 28, 29, 30, 31);
+        t[i] = fold2(__builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                             19, 20, 21, 22, 23),
+                     __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                             26, 27, 28, 29, 30, 31),
+                     max);
     for (int i = 0; i < 4; i++) /* groups of 4 lanes: a[i], a[i + 4], a[i + 8], a[i + 12] */
-        u[i] = __builtin_shufflevector(t[i], t[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11,
-                                       24, 25, 26, 27) +
-               __builtin_shufflevector(t[i], t[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15,
-                                       28, 29, 30, 31);
+        u[i] = fold2(__builtin_shufflevector(t[i], t[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
+                                             11, 24, 25, 26, 27),
+                     __builtin_shufflevector(t[i], t[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                             14, 15, 28, 29, 30, 31),
+                     max);
     for (int i = 0; i < 2; i++) /* pairs of lanes: a[i], a[i + 2], ..., a[i + 14] */
-        w[i] = __builtin_shufflevector(u[i], u[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
-                                       12, 13, 28, 29) +
-               __builtin_shufflevector(u[i], u[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27,
-                                       14, 15, 30, 31);
-    return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
-                                   14, 30) +
-           __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
-                                   15, 31);
+        w[i] = fold2(__builtin_shufflevector(u[i], u[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24,
+                                             25, 12, 13, 28, 29),
+                     __builtin_shufflevector(u[i], u[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
+                                             27, 14, 15, 30, 31),
+                     max);
+    return fold2(__builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
+                                         28, 14, 30),
+                 __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
+                                         29, 15, 31),
+                 max);
 }
 
 /* In place: row[j] = e^(row[j] - max) / sum over j < n. */
@@ -408,7 +417,7 @@ static void group_scores(const uint16_t *q, int G, int D, const uint16_t *base,
                 for (int i = 0; i < 16; i++) acc[i] = pairs_dot(acc[i], qg + d, key[i] + d);
             if (d < D) /* 16 dims left */
                 for (int i = 0; i < 16; i++) acc[i] += load_bf16(qg + d) * load_bf16(key[i] + d);
-            v16f s = sum16(acc) * scale;
+            v16f s = fold16(acc, 0) * scale;
             memcpy(scores + (size_t)g * row_len + j0, &s, sizeof s);
         }
     }
@@ -481,6 +490,10 @@ static void decode_group(const uint16_t *qb, int G, int h, int D, size_t stride,
 /* Query tokens per prefill work item: QT x G query rows share each 16-key chunk of K/V. */
 #define QT 16
 #define RB 8 /* query rows per block of score accumulators */
+#define KCH 32 /* AMX prompt tiles: keys a packed chunk (below) */
+
+/* Packed chunks of a prompt's keys from kbase (a multiple of KCH) to its last, per KV head. */
+static inline long key_chunks(int seq_len, int kbase) { return (seq_len - kbase + KCH - 1) / KCH; }
 
 typedef struct { /* one thread's scratch for prefill tiles */
     uint32_t *kp;  /* a 16-key chunk of K as [D / 2][16] bf16 pairs: the linear kernel's layout */
@@ -579,17 +592,240 @@ static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Prompt attention on AMX-BF16 tiles (where `kvflow_amx_init` got the tile state and D is a
+ * multiple of 32): the same result as `prefill_tile` but for the weights, which are rounded to
+ * bf16 before they multiply V (as the tiles take them; the sum of the weights stays float32).
+ *
+ * Each prompt's K/V (each KV head, keys from the first any of its rows sees) is first packed
+ * once a step in chunks of 32 keys, 32 x D bf16 each, the layouts the tile products read:
+ *   K: [D / 32][2 halves of 16 keys][16 dim pairs][16 keys][2]  (S = Q K^T, B operand)
+ *   V: [D / 16][16 key pairs][16 dims][2]                       (O += P V, B operand)
+ * then a work item is 16 query rows (row r: token r / G, query head h * G + r % G) of one KV
+ * head. Per chunk of 32 keys: S on tiles 0, 1 (Q in tile 6, the K halves in 7); the online
+ * softmax in vectors, 16 rows at once (`chunk_softmax`); P in bf16 into tile 6 and P V into the
+ * output on tiles 2-5 (16 dims each, V in tile 7). With D <= 64 the output stays in its tiles
+ * from the first chunk to the last; a larger D goes through memory, 64 dims at a time. */
+#define TAU 8.0f /* a row's reference for its weights, when it moves, is this above the max */
+
+typedef struct { /* one thread's scratch for tile items */
+    uint16_t *q; /* [16][D] the block's query rows (zeros past the last) */
+    float *s;    /* [16][KCH] the chunk's scores */
+    uint16_t *p; /* [16][KCH] the chunk's weights, bf16 */
+    float *o;    /* [16][D] the output (when its tiles are rescaled, or D > 64) */
+} amx_scratch;
+
+/* Chunk c (keys key0 ..) of KV head h of a prompt into its packed K and V (32 * D each); keys
+ * at or past `end` are zeros. */
+static void pack_chunk(const uint16_t *kc, const uint16_t *vc, size_t stride, int h, int D,
+                       const int32_t *table, int block_size, int key0, int end, uint16_t *kp,
+                       uint16_t *vp) {
+    static const uint16_t zero[256];
+    const uint16_t *key[KCH], *val[KCH];
+    for (int i = 0; i < KCH; i++) {
+        int j = key0 + i;
+        size_t slot = j < end ? (size_t)table[j / block_size] * block_size + j % block_size : 0;
+        key[i] = j < end ? kc + slot * stride + (size_t)h * D : zero;
+        val[i] = j < end ? vc + slot * stride + (size_t)h * D : zero;
+    }
+    uint32_t *kp32 = (uint32_t *)kp;
+    for (int i = 0; i < KCH; i++)
+        for (int dc = 0; dc < D / 32; dc++)
+            for (int p = 0; p < 16; p++)
+                memcpy(kp32 + ((dc * 2 + i / 16) * 16 + p) * 16 + i % 16, key[i] + 32 * dc + 2 * p,
+                       sizeof(uint32_t));
+    for (int i = 0; i < KCH; i += 2) /* keys i, i + 1 side by side in each 32-bit lane */
+        for (int g = 0; g < D / 16; g++) {
+            v16h lo, hi;
+            memcpy(&lo, val[i] + 16 * g, sizeof lo);
+            memcpy(&hi, val[i + 1] + 16 * g, sizeof hi);
+            v16u pair = __builtin_convertvector(lo, v16u) | __builtin_convertvector(hi, v16u) << 16;
+            memcpy(vp + ((size_t)(g * 16 + i / 2) * 16) * 2, &pair, sizeof pair);
+        }
+}
+
+static inline v16f vselect(v16i mask, v16f a, v16f b) { /* a where mask (all bits), else b */
+    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+/* The chunk's scores (s->s, 16 rows of KCH) -> weights e^(score - ref) in bf16 (s->p), updating
+ * each row's reference `ref` and sum of weights `sum` (lane = row). A row's reference moves only
+ * when a score exceeds it, and then to TAU above that score, so most chunks leave the output as
+ * it is (weights stay <= 1, sums float32); where it moves, alpha (lane = row) is the factor for
+ * the output so far. Returns whether some row's output needs it. */
+static inline int chunk_softmax(amx_scratch *s, const int pos[16], int j0, int window,
+                                float scale, v16f *ref, v16f *sum, v16f *alpha) {
+    const float ninf = -__builtin_inff();
+    v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16f a[16], b[16], m[16];
+    for (int i = 0; i < 16; i++) {
+        a[i] = vload(s->s + i * KCH) * scale, b[i] = vload(s->s + i * KCH + 16) * scale;
+        int p = pos[i];
+        if (j0 + KCH - 1 > p || (window > 0 && j0 <= p - window)) {
+            v16i ka = lane + j0, kb = ka + 16, va = ka <= p, vb = kb <= p;
+            if (window > 0) va &= ka > p - window, vb &= kb > p - window;
+            a[i] = visible_or_ninf(a[i], va);
+            b[i] = visible_or_ninf(b[i], vb);
+        }
+        m[i] = vselect(a[i] > b[i], a[i], b[i]);
+    }
+    v16f cmax = fold16(m, 1), old = *ref;
+    v16i grow = cmax > old; /* never where the chunk hides every key from the row */
+    v16f now = vselect(grow, cmax + TAU, old);
+    v16f sub = vselect(now > ninf, now, (v16f){0}); /* no key seen yet: weights 0 */
+    *alpha = vexp(vselect(grow, old - now, (v16f){0})); /* 0 from -inf: no output yet */
+    for (int i = 0; i < 16; i++) {
+        v16f ea = vexp(a[i] - sub[i]), eb = vexp(b[i] - sub[i]);
+        uint16_t *hi = s->p + i * KCH, *lo = s->p + (16 + i) * KCH; /* P = hi + lo */
+        store_bf16(hi, ea);
+        store_bf16(hi + 16, eb);
+        store_bf16(lo, ea - load_bf16(hi));
+        store_bf16(lo + 16, eb - load_bf16(hi + 16));
+        m[i] = ea + eb;
+    }
+    *sum = *sum * *alpha + fold16(m, 0);
+    *ref = now;
+    v16i rescale = grow & (old > ninf);
+    for (int i = 0; i < 16; i++)
+        if (rescale[i]) return 1;
+    return 0;
+}
+
+static inline void scale_rows(float *o, int D, v16f alpha) {
+    for (int i = 0; i < 16; i++)
+        for (int c = 0; c < D; c += 16) {
+            v16f x = vload(o + (size_t)i * D + c) * alpha[i];
+            memcpy(o + (size_t)i * D + c, &x, sizeof x);
+        }
+}
+
+/* Tiles 2 .. 1 + n (n <= 4, a constant where inlined) from or to o (rows D floats apart). */
+static inline __attribute__((always_inline)) void load_out(const float *o, int D, int n) {
+    _tile_loadd(2, o, D * 4);
+    _tile_loadd(3, o + 16, D * 4);
+    if (n > 2) {
+        _tile_loadd(4, o + 32, D * 4);
+        _tile_loadd(5, o + 48, D * 4);
+    }
+}
+static inline __attribute__((always_inline)) void store_out(float *o, int D, int n) {
+    _tile_stored(2, o, D * 4);
+    _tile_stored(3, o + 16, D * 4);
+    if (n > 2) {
+        _tile_stored(4, o + 32, D * 4);
+        _tile_stored(5, o + 48, D * 4);
+    }
+}
+
+/* Tiles 2 .. 1 + n += P (its bf16 parts: tile 6 + tile 0) x the chunk's V dims 16 g ..
+ * 16 (g + n) at vch. */
+static inline __attribute__((always_inline)) void add_pv(const uint16_t *vch, int g, int n) {
+    _tile_loadd(7, vch + (size_t)g * 512, 64);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_dpbf16ps(2, 0, 7);
+    _tile_loadd(7, vch + (size_t)(g + 1) * 512, 64);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_dpbf16ps(3, 0, 7);
+    if (n > 2) {
+        _tile_loadd(7, vch + (size_t)(g + 2) * 512, 64);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_dpbf16ps(4, 0, 7);
+        _tile_loadd(7, vch + (size_t)(g + 3) * 512, 64);
+        _tile_dpbf16ps(5, 6, 7);
+        _tile_dpbf16ps(5, 0, 7);
+    }
+}
+
+/* Rows r0 .. r0 + rows - 1 (rows <= 16) of KV head h of a prompt whose token 0 is at position
+ * pos0 and row t0 of q; keys from kbase in packed chunks at kp / vp. */
+static void prefill_rows_amx(const uint16_t *q, int q_stride, int t0, int r0, int rows, int pos0,
+                             int h, int G, int D, const uint16_t *kp, const uint16_t *vp,
+                             int kbase, int window, float scale, amx_scratch *s, uint16_t *out,
+                             int Hq) {
+    int pos[16];
+    memset(s->q, 0, sizeof(uint16_t) * 16 * (size_t)D);
+    for (int i = 0; i < 16; i++) { /* padding rows: the last row's position, zero queries */
+        int r = r0 + (i < rows ? i : rows - 1);
+        pos[i] = pos0 + r / G;
+        if (i < rows)
+            memcpy(s->q + (size_t)i * D,
+                   q + (size_t)(t0 + r / G) * q_stride + (size_t)(h * G + r % G) * D,
+                   sizeof(uint16_t) * D);
+    }
+    v16f ref = (v16f){0} - __builtin_inff(), sum = {0}, alpha;
+    int resident = D <= 64, n = D == 32 ? 2 : 4; /* output tiles: resident, or a group's */
+    memset(s->o, 0, sizeof(float) * 16 * (size_t)D);
+    if (resident) load_out(s->o, D, n);
+    int first = window > 0 && pos[0] + 1 > window ? pos[0] + 1 - window : 0;
+    int c0 = (first - kbase) / KCH, c1 = (pos[15] - kbase) / KCH; /* chunks any row sees */
+    size_t chunk = (size_t)KCH * D;
+    for (int c = c0; c <= c1; c++) {
+        const uint16_t *kch = kp + c * chunk, *vch = vp + c * chunk;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int dc = 0; dc < D / 32; dc++) {
+            _tile_loadd(6, s->q + 32 * dc, D * 2);
+            _tile_loadd(7, kch + (size_t)dc * 1024, 64);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, kch + (size_t)dc * 1024 + 512, 64);
+            _tile_dpbf16ps(1, 6, 7);
+        }
+        _tile_stored(0, s->s, KCH * 4);
+        _tile_stored(1, s->s + 16, KCH * 4);
+        if (chunk_softmax(s, pos, kbase + c * KCH, window, scale, &ref, &sum, &alpha)) {
+            if (resident) store_out(s->o, D, n);
+            scale_rows(s->o, D, alpha);
+            if (resident) load_out(s->o, D, n);
+        }
+        _tile_loadd(6, s->p, KCH * 2);
+        _tile_loadd(0, s->p + 16 * KCH, KCH * 2);
+        if (resident) {
+            add_pv(vch, 0, n);
+            continue;
+        }
+        for (int g = 0; g < D / 16; g += 4) { /* D > 64: a multiple of 32, groups of 2 or 4 */
+            int m = D / 16 - g < 4 ? 2 : 4;
+            load_out(s->o + 16 * g, D, m);
+            add_pv(vch, g, m);
+            store_out(s->o + 16 * g, D, m);
+        }
+    }
+    if (resident) store_out(s->o, D, n);
+    for (int i = 0; i < rows; i++) {
+        int r = r0 + i;
+        uint16_t *ob = out + ((size_t)(t0 + r / G) * Hq + h * G + r % G) * D;
+        float inv = 1.0f / sum[i];
+        for (int c = 0; c < D / 16; c++)
+            store_bf16(ob + 16 * c, vload(s->o + (size_t)i * D + 16 * c) * inv);
+    }
+}
+#endif
+
 #define SPLIT_COST 2048 /* query rows x keys from which a few decode items use every thread */
 
 typedef struct {
     int b, h0, nh; /* request, first KV head and how many */
     int t0, m;     /* first token row and count (1 for a decode token) */
+    int r0, rows;  /* tile items: the first query row of the prompt and how many (<= 16) */
     long cost;     /* query rows x keys, to hand out the longest items first */
 } work_item;
 
 static int by_cost_desc(const void *a, const void *b) {
     long x = ((const work_item *)a)->cost, y = ((const work_item *)b)->cost;
     return (x < y) - (x > y);
+}
+
+static int prompt_tiles = 1; /* kvflow_attention_tiles: prompts on AMX tiles where they run */
+
+/* Whether prompts take the AMX tiles (`want` 0 or 1; -1 only asks): 1 only where the CPU and
+ * the OS grant them. The tests run both kernels on such a CPU. */
+int kvflow_attention_tiles(int want) {
+    if (want >= 0) prompt_tiles = want;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return prompt_tiles && amx_ok;
+#else
+    return 0;
+#endif
 }
 
 /* One step of attention over a paged bf16 KV cache, reading K/V where they lie.
@@ -604,7 +840,8 @@ static int by_cost_desc(const void *a, const void *b) {
  *
  * Work items: a decode token (q_len 1) with a range of its KV heads (all of them when the decode
  * tokens alone keep the threads busy, else one); a prompt or chunk (q_len > 1) per KV head and
- * tile of QT tokens. The costliest go first, handed out one at a time.
+ * tile of QT tokens, or on AMX tiles per KV head and 16 query rows, after its K/V are packed.
+ * The costliest go first, handed out one at a time.
  */
 void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                             const uint16_t *v, int kv_stride, const int64_t *slot_mapping,
@@ -613,28 +850,54 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                             const int32_t *seq_lens, int B, int Hq, int Hkv, int D,
                             int block_size, int window, float scale, uint16_t *out) {
     int G = Hq / Hkv, T = query_start_loc[B], decodes = 0, tiles = 0, max_seq_len = 1;
+    int amx = kvflow_attention_tiles(-1) && D % 32 == 0;
+    long chunks = 0; /* AMX: packed chunks of K/V, all prompts and heads */
     for (int b = 0; b < B; b++) {
         int len = query_start_loc[b + 1] - query_start_loc[b];
         if (seq_lens[b] > max_seq_len) max_seq_len = seq_lens[b];
         if (len == 1) decodes++;
-        else tiles += (len + QT - 1) / QT;
+        else tiles += amx ? (len * G + 15) / 16 : (len + QT - 1) / QT;
     }
     int heads_per_item = decodes >= 4 * omp_get_max_threads() ? Hkv : 1;
     int items = decodes * (Hkv / heads_per_item) + tiles * Hkv;
     work_item *work = malloc(sizeof(work_item) * (size_t)(items > 0 ? items : 1));
+    /* AMX: prompt b's keys from kbase[b] (a multiple of KCH) are packed at chunk pack_at[b] */
+    int *kbase = calloc((size_t)B, sizeof(int));
+    long *pack_at = calloc((size_t)B + 1, sizeof(long));
     int w = 0;
     for (int b = 0; b < B; b++) {
         int t0 = query_start_loc[b], len = query_start_loc[b + 1] - t0;
+        int pos0 = seq_lens[b] - len;
         int span = window > 0 && seq_lens[b] > window ? window : seq_lens[b];
+        pack_at[b] = chunks;
+        if (amx && len > 1) {
+            int first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+            kbase[b] = first / KCH * KCH;
+            chunks += Hkv * key_chunks(seq_lens[b], kbase[b]);
+            for (int h = 0; h < Hkv; h++)
+                for (int r0 = 0; r0 < len * G; r0 += 16) {
+                    int rows = len * G - r0 < 16 ? len * G - r0 : 16;
+                    int seen = pos0 + (r0 + rows - 1) / G + 1; /* keys the last row sees */
+                    work[w++] = (work_item){b, h, 1, t0, len, r0, rows,
+                                            (long)rows * (seen < span ? seen : span)};
+                }
+            continue;
+        }
         for (int h = 0; h < Hkv; h += len == 1 ? heads_per_item : 1)
             for (int i = 0; i < len; i += QT) {
                 int m = len - i < QT ? len - i : QT, nh = len == 1 ? heads_per_item : 1;
-                work[w++] = (work_item){b, h, nh, t0 + i, m, (long)m * G * nh * span};
+                work[w++] = (work_item){b, h, nh, t0 + i, m, 0, 0, (long)m * G * nh * span};
             }
     }
+    pack_at[B] = chunks;
     qsort(work, (size_t)items, sizeof(work_item), by_cost_desc);
     size_t row_len = (size_t)max_seq_len + 16, stride = (size_t)Hkv * D;
-    size_t rows = (size_t)QT * G;
+    size_t rows = (size_t)QT * G, chunk = (size_t)KCH * D;
+    uint16_t *kpack = NULL, *vpack = NULL;
+    if (chunks > 0) {
+        kpack = aligned_alloc(64, sizeof(uint16_t) * chunk * (size_t)chunks);
+        vpack = aligned_alloc(64, sizeof(uint16_t) * chunk * (size_t)chunks);
+    }
     /* a few short decode items: waking another thread costs more than it saves; a long
      * context's heads (a lone request deep into its context) are worth splitting */
     long cost = 0;
@@ -644,7 +907,7 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
         float *scores = malloc(sizeof(float) * row_len * (decodes > 0 ? G : 1));
         size_t *slots = malloc(sizeof(size_t) * row_len);
         tile_scratch s = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-        if (tiles > 0) {
+        if (tiles > 0 && !amx) {
             s.kp = aligned_alloc(64, sizeof(uint32_t) * 8 * (size_t)D);
             s.vf = aligned_alloc(64, sizeof(float) * 16 * (size_t)D);
             s.o = malloc(sizeof(float) * rows * (size_t)D);
@@ -653,16 +916,51 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
             s.sum = malloc(sizeof(float) * rows);
             s.qrow = malloc(sizeof(uint16_t *) * (rows + RB));
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        amx_scratch a = {NULL, NULL, NULL, NULL};
+        if (chunks > 0) {
+            struct tile_config cfg = {.palette = 1};
+            for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+            _tile_loadconfig(&cfg);
+            a.q = aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)D);
+            a.s = aligned_alloc(64, sizeof(float) * 16 * KCH);
+            a.p = aligned_alloc(64, sizeof(uint16_t) * 32 * KCH);
+            a.o = aligned_alloc(64, sizeof(float) * 16 * (size_t)D);
+        }
+#endif
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
             size_t slot = (size_t)slot_mapping[t] * stride, bytes = sizeof(uint16_t) * stride;
             memcpy(kc + slot, k + (size_t)t * kv_stride, bytes);
             memcpy(vc + slot, v + (size_t)t * kv_stride, bytes);
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (chunks > 0) {
+            int b = 0;
+#pragma omp for schedule(static)
+            for (long u = 0; u < chunks; u++) { /* unit u: a chunk of one prompt's KV head */
+                while (u >= pack_at[b + 1]) b++; /* increasing within a thread's range */
+                long per_head = key_chunks(seq_lens[b], kbase[b]);
+                long c = (u - pack_at[b]) % per_head, h = (u - pack_at[b]) / per_head;
+                pack_chunk(kc, vc, stride, (int)h, D, block_tables + (size_t)b * max_blocks, block_size,
+                           kbase[b] + (int)c * KCH, seq_lens[b], kpack + u * chunk,
+                           vpack + u * chunk);
+            }
+        }
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < items; i++) {
             work_item it = work[i];
             int t0q = query_start_loc[it.b], len = query_start_loc[it.b + 1] - t0q;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (it.rows > 0) {
+                long at = pack_at[it.b] + it.h0 * key_chunks(seq_lens[it.b], kbase[it.b]);
+                prefill_rows_amx(q, q_stride, t0q, it.r0, it.rows, seq_lens[it.b] - len, it.h0, G,
+                                 D, kpack + at * chunk, vpack + at * chunk, kbase[it.b], window,
+                                 scale, &a, out, Hq);
+                continue;
+            }
+#endif
             int pos0 = seq_lens[it.b] - len + (it.t0 - t0q); /* the item's first position */
             int start = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
             int n = pos0 + it.m - start;
@@ -676,6 +974,13 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                              start, window, scale, &s, out, Hq);
             }
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (chunks > 0) _tile_release();
+        free(a.q);
+        free(a.s);
+        free(a.p);
+        free(a.o);
+#endif
         free(scores);
         free(slots);
         free(s.kp);
@@ -687,6 +992,10 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
         free(s.qrow);
     }
     free(work);
+    free(kbase);
+    free(pack_at);
+    free(kpack);
+    free(vpack);
 }
 
 /* ---- small fused ops: one call instead of a chain of torch ops (each a dispatch) ----------
