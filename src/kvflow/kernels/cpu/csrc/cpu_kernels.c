@@ -594,8 +594,10 @@ static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* Prompt attention on AMX-BF16 tiles (where `kvflow_amx_init` got the tile state and D is a
- * multiple of 32): the same result as `prefill_tile` but for the weights, which are rounded to
- * bf16 before they multiply V (as the tiles take them; the sum of the weights stays float32).
+ * multiple of 32): `prefill_tile`'s result to rounding. The tiles multiply bf16 values, so the
+ * weights P go in as two bf16 parts, hi = bf16(p) and lo = bf16(p - hi) (16 bits of p between
+ * them: rounding P once to bf16 doubled the error against float64 and moved the quantized
+ * model's perplexity; benchmarks/RESULTS.md).
  *
  * Each prompt's K/V (each KV head, keys from the first any of its rows sees) is first packed
  * once a step in chunks of 32 keys, 32 x D bf16 each, the layouts the tile products read:
@@ -603,15 +605,16 @@ static void prefill_tile(const uint16_t *q, int q_stride, int t0, int m, int pos
  *   V: [D / 16][16 key pairs][16 dims][2]                       (O += P V, B operand)
  * then a work item is 16 query rows (row r: token r / G, query head h * G + r % G) of one KV
  * head. Per chunk of 32 keys: S on tiles 0, 1 (Q in tile 6, the K halves in 7); the online
- * softmax in vectors, 16 rows at once (`chunk_softmax`); P in bf16 into tile 6 and P V into the
- * output on tiles 2-5 (16 dims each, V in tile 7). With D <= 64 the output stays in its tiles
- * from the first chunk to the last; a larger D goes through memory, 64 dims at a time. */
+ * softmax in vectors, 16 rows at once (`chunk_softmax`); P's parts into tiles 6 and 0 and P V
+ * into the output on tiles 2-5 (16 dims each, V in tile 7). With D <= 64 the output stays in
+ * its tiles from the first chunk to the last; a larger D goes through memory, 64 dims at a time.
+ */
 #define TAU 8.0f /* a row's reference for its weights, when it moves, is this above the max */
 
 typedef struct { /* one thread's scratch for tile items */
     uint16_t *q; /* [16][D] the block's query rows (zeros past the last) */
     float *s;    /* [16][KCH] the chunk's scores */
-    uint16_t *p; /* [16][KCH] the chunk's weights, bf16 */
+    uint16_t *p; /* [32][KCH] the chunk's weights: rows 0-15 their hi parts, 16-31 lo */
     float *o;    /* [16][D] the output (when its tiles are rescaled, or D > 64) */
 } amx_scratch;
 
@@ -632,14 +635,15 @@ static void pack_chunk(const uint16_t *kc, const uint16_t *vc, size_t stride, in
     for (int i = 0; i < KCH; i++)
         for (int dc = 0; dc < D / 32; dc++)
             for (int p = 0; p < 16; p++)
-                memcpy(kp32 + ((dc * 2 + i / 16) * 16 + p) * 16 + i % 16, key[i] + 32 * dc + 2 * p,
-                       sizeof(uint32_t));
+                memcpy(kp32 + ((dc * 2 + i / 16) * 16 + p) * 16 + i % 16,
+                       key[i] + 32 * dc + 2 * p, sizeof(uint32_t));
     for (int i = 0; i < KCH; i += 2) /* keys i, i + 1 side by side in each 32-bit lane */
         for (int g = 0; g < D / 16; g++) {
             v16h lo, hi;
             memcpy(&lo, val[i] + 16 * g, sizeof lo);
             memcpy(&hi, val[i + 1] + 16 * g, sizeof hi);
-            v16u pair = __builtin_convertvector(lo, v16u) | __builtin_convertvector(hi, v16u) << 16;
+            v16u pair = __builtin_convertvector(lo, v16u);
+            pair |= __builtin_convertvector(hi, v16u) << 16;
             memcpy(vp + ((size_t)(g * 16 + i / 2) * 16) * 2, &pair, sizeof pair);
         }
 }
@@ -648,11 +652,11 @@ static inline v16f vselect(v16i mask, v16f a, v16f b) { /* a where mask (all bit
     return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
 }
 
-/* The chunk's scores (s->s, 16 rows of KCH) -> weights e^(score - ref) in bf16 (s->p), updating
- * each row's reference `ref` and sum of weights `sum` (lane = row). A row's reference moves only
- * when a score exceeds it, and then to TAU above that score, so most chunks leave the output as
- * it is (weights stay <= 1, sums float32); where it moves, alpha (lane = row) is the factor for
- * the output so far. Returns whether some row's output needs it. */
+/* The chunk's scores (s->s, 16 rows of KCH) -> weights e^(score - ref) (s->p, two bf16 parts),
+ * updating each row's reference `ref` and sum of weights `sum` (lane = row). A row's reference
+ * moves only when a score exceeds it, and then to TAU above that score, so most chunks leave the
+ * output as it is (weights stay <= 1, sums float32); where it moves, alpha (lane = row) is the
+ * factor for the output so far. Returns whether some row's output needs it. */
 static inline int chunk_softmax(amx_scratch *s, const int pos[16], int j0, int window,
                                 float scale, v16f *ref, v16f *sum, v16f *alpha) {
     const float ninf = -__builtin_inff();
@@ -942,8 +946,8 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                 while (u >= pack_at[b + 1]) b++; /* increasing within a thread's range */
                 long per_head = key_chunks(seq_lens[b], kbase[b]);
                 long c = (u - pack_at[b]) % per_head, h = (u - pack_at[b]) / per_head;
-                pack_chunk(kc, vc, stride, (int)h, D, block_tables + (size_t)b * max_blocks, block_size,
-                           kbase[b] + (int)c * KCH, seq_lens[b], kpack + u * chunk,
+                pack_chunk(kc, vc, stride, (int)h, D, block_tables + (size_t)b * max_blocks,
+                           block_size, kbase[b] + (int)c * KCH, seq_lens[b], kpack + u * chunk,
                            vpack + u * chunk);
             }
         }
