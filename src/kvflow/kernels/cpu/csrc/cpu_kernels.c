@@ -7,9 +7,10 @@
  *
  * then the small fused ops of a layer (RMSNorm, rotary, SiLU-and-mul) and the greedy argmax of
  * float32 logits. The two above accumulate in float32. bf16 -> float32 is exact (a 16-bit
- * shift); results are rounded to nearest even. Built at run time by kvflow/kernels/cpu/build.py with the system C compiler
- * (-march=native: AVX-512 where the CPU has it, through GCC's vector extensions) and loaded with
- * ctypes; it links the OpenMP runtime torch already loaded, so both share one thread pool.
+ * shift); results are rounded to nearest even. Built at run time by kvflow/kernels/cpu/build.py
+ * with the system C compiler (-march=native: AVX-512 where the CPU has it, through GCC's vector
+ * extensions) and loaded with ctypes; it links the OpenMP runtime torch already loaded, so both
+ * share one thread pool.
  */
 #include <omp.h>
 #ifdef __x86_64__
@@ -322,8 +323,12 @@ void kvflow_bf16_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *b
     }
 }
 
+static inline v16f vselect(v16i mask, v16f a, v16f b) { /* a where mask (all bits), else b */
+    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
 static inline __attribute__((always_inline)) v16f fold2(v16f x, v16f y, int max) {
-    return max ? (v16f)(((v16i)x & (x > y)) | ((v16i)y & ~(x > y))) : x + y;
+    return max ? vselect(x > y, x, y) : x + y;
 }
 
 /* Lane i of the result = the sum (max: the largest) of a[i]'s 16 lanes: a transposing tree of
@@ -505,14 +510,7 @@ typedef struct { /* one thread's scratch for prefill tiles */
 
 /* x where `visible` is set (all bits), -inf elsewhere: such a key gets weight 0. */
 static inline v16f visible_or_ninf(v16f x, v16i visible) {
-    const float ninf = -__builtin_inff();
-    int32_t ninf_bits;
-    v16i bits;
-    memcpy(&ninf_bits, &ninf, sizeof ninf_bits);
-    memcpy(&bits, &x, sizeof bits);
-    bits = (bits & visible) | (ninf_bits & ~visible);
-    memcpy(&x, &bits, sizeof x);
-    return x;
+    return vselect(visible, x, (v16f){0} - __builtin_inff());
 }
 
 /* Causal attention of m <= QT consecutive tokens of one request (positions pos0 .. pos0 + m - 1,
@@ -648,10 +646,6 @@ static void pack_chunk(const uint16_t *kc, const uint16_t *vc, size_t stride, in
         }
 }
 
-static inline v16f vselect(v16i mask, v16f a, v16f b) { /* a where mask (all bits), else b */
-    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
-}
-
 /* The chunk's scores (s->s, 16 rows of KCH) -> weights e^(score - ref) (s->p, two bf16 parts),
  * updating each row's reference `ref` and sum of weights `sum` (lane = row). A row's reference
  * moves only when a score exceeds it, and then to TAU above that score, so most chunks leave the
@@ -671,7 +665,7 @@ static inline int chunk_softmax(amx_scratch *s, const int pos[16], int j0, int w
             a[i] = visible_or_ninf(a[i], va);
             b[i] = visible_or_ninf(b[i], vb);
         }
-        m[i] = vselect(a[i] > b[i], a[i], b[i]);
+        m[i] = fold2(a[i], b[i], 1);
     }
     v16f cmax = fold16(m, 1), old = *ref;
     v16i grow = cmax > old; /* never where the chunk hides every key from the row */
