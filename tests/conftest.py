@@ -1,10 +1,16 @@
-"""Shared test set-up: the embedded model converted once, and tests marked `gpu` skipped where
-CUDA is not available. Helpers live in the `support` package (tests/ is on pytest's
-`pythonpath`)."""
+"""Shared test set-up: the embedded model converted once, a 1 GiB CPU KV cache unless a test
+sizes its own, and tests marked `gpu` skipped where CUDA is not available. Helpers live in the
+`support` package (tests/ is on pytest's `pythonpath`)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Engines and servers the tests start take this instead of the 4 GiB default: zeroing 4 GiB for
+# every engine cost the suite seconds each, and no test needs more (tests of the default unset it).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

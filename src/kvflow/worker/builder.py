@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -40,6 +41,22 @@ logger = logging.getLogger("kvflow.engine")
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30  # bytes, like vLLM's CPU default
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 GIB = 1 << 30
+
+
+def cpu_kv_cache_memory() -> int:
+    """The CPU KV cache's bytes when neither --num-blocks nor --kv-cache-memory is given:
+    VLLM_CPU_KVCACHE_SPACE GiB where it is set to a positive whole number (vLLM's CPU
+    setting), else 4 GiB."""
+    value = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    try:
+        gib = int(value) if value else 0
+    except ValueError:
+        raise ValueError(
+            f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB, got {value!r}"
+        ) from None
+    if gib < 0:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must not be negative, got {gib}")
+    return gib * GIB if gib else DEFAULT_CPU_KV_CACHE_MEMORY
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -97,7 +114,7 @@ def resolve_num_blocks(
             budget / GIB,
         )
     else:
-        budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        budget = cpu_kv_cache_memory()
     return max(budget // per_block, 0)
 
 

@@ -132,9 +132,9 @@ class RankWorker:
         if spec.kv_cache_memory is not None:
             return spec.kv_cache_memory // per_block
         if self.device == "cpu":
-            from kvflow.worker.builder import DEFAULT_CPU_KV_CACHE_MEMORY
+            from kvflow.worker.builder import cpu_kv_cache_memory
 
-            return DEFAULT_CPU_KV_CACHE_MEMORY // per_block
+            return cpu_kv_cache_memory() // per_block
         import copy
 
         import torch
