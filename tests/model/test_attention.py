@@ -66,7 +66,10 @@ NATIVE_CASES = [  # shapes for the native kernel (every bf16 step with a head di
     ([33, 70], [1, 1], 8, 1, 256, 16, 50),  # the largest head dim, MQA, window over blocks
     ([9, 4], [1, 1], 4, 2, 40, 4, None),  # head dim not a multiple of 16: the reference runs
     ([700, 300], [1, 1], 7, 1, 64, 16, None),  # 7 query rows a KV head: 4, then 3
-    ([2100], [1], 9, 3, 64, 16, None),  # a lone long context: its 3 heads on every thread
+    ([2100], [1], 9, 3, 64, 16, None),  # a lone long context: heads split in parts of keys
+    ([2100], [1], 9, 3, 64, 16, 1000),  # the same through a window: parts of the window's keys
+    ([1300, 40], [1, 25], 8, 2, 128, 16, None),  # a split decode head beside a prompt chunk
+    ([600], [1], 4, 4, 64, 5, None),  # MHA, blocks of 5: at most two parts of 300 keys
     ([0], [300], 4, 2, 64, 16, None),  # a long prompt: 38 blocks of 16 query rows, 10 key chunks
     ([100, 0], [50, 37], 9, 3, 32, 16, 40),  # a chunk windowed from key 61; 16 rows: 5.3 tokens
     ([10, 0], [18, 21], 6, 2, 64, 4, 1),  # a window of one on tiles: most chunks hidden from a row

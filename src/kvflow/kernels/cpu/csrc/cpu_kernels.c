@@ -360,8 +360,8 @@ static inline __attribute__((always_inline)) v16f fold16(const v16f a[16], int m
                  max);
 }
 
-/* In place: row[j] = e^(row[j] - max) / sum over j < n. */
-static inline void softmax(float *row, int n) {
+/* In place: row[j] = e^(row[j] - max) for j < n; returns their sum, *max_out the max. */
+static inline float exp_from_max(float *row, int n, float *max_out) {
     float mx = row[0], sum = 0.0f;
     int j = 0;
     if (n >= 16) { /* lane-wise maxima first: a scalar chain waits on each compare */
@@ -385,8 +385,14 @@ static inline void softmax(float *row, int n) {
         row[j] = __builtin_expf(row[j] - mx);
         sum += row[j];
     }
-    float inv = 1.0f / (sum + hsum(vsum));
-    for (j = 0; j < n; j++) row[j] *= inv;
+    *max_out = mx;
+    return sum + hsum(vsum);
+}
+
+/* In place: row[j] = e^(row[j] - max) / sum over j < n. */
+static inline void softmax(float *row, int n) {
+    float mx, inv = 1.0f / exp_from_max(row, n, &mx);
+    for (int j = 0; j < n; j++) row[j] *= inv;
 }
 
 /* acc + the lane-wise products of a[0..32) and b[0..32) (bf16), summed by pairs: exact
@@ -430,10 +436,12 @@ static void group_scores(const uint16_t *q, int G, int D, const uint16_t *base,
 
 /* out[r * D + off ..) for r < rows (16 nv dims) = sum over j < n of p_r[j] * value j (bf16 rows
  * at base + slots[j] * stride), p_r at scores + r * row_len: each value row is widened once for
- * all the rows; rows <= 4 and nv <= 4 keep every accumulator in a register. */
+ * all the rows; rows <= 4 and nv <= 4 keep every accumulator in a register. With outf, the sums
+ * go there as float32 instead (row r at outf + r * ldf). */
 static inline __attribute__((always_inline)) void group_values(
     const float *scores, size_t row_len, const uint16_t *base, const size_t *slots,
-    size_t stride, int n, int off, const int nv, const int rows, int D, uint16_t *out) {
+    size_t stride, int n, int off, const int nv, const int rows, int D, uint16_t *out,
+    float *outf, int ldf) {
     v16f acc[4][4] = {{{0}}};
     for (int j = 0; j < n; j++) {
         const uint16_t *row = base + slots[j] * stride + off;
@@ -448,12 +456,15 @@ static inline __attribute__((always_inline)) void group_values(
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < nv; c++) store_bf16(out + (size_t)r * D + off + 16 * c, acc[r][c]);
+        for (int c = 0; c < nv; c++)
+            if (outf) memcpy(outf + (size_t)r * ldf + off + 16 * c, &acc[r][c], sizeof acc[r][c]);
+            else store_bf16(out + (size_t)r * D + off + 16 * c, acc[r][c]);
 }
 
 #define GROUP_VALUES(NV, ROWS)                                                                 \
     group_values(scores + (size_t)r0 * row_len, row_len, vbase, slots, stride, n, off, NV,     \
-                 ROWS, D, og + (size_t)r0 * D)
+                 ROWS, D, og ? og + (size_t)r0 * D : NULL,                                   \
+                 part ? part + (size_t)r0 * (D + 2) : NULL, D + 2)
 
 /* The slots of positions start .. start + n - 1 of a request (its block table), in order. */
 static void fill_slots(const int32_t *table, int block_size, int start, int n, size_t *slots) {
@@ -466,15 +477,22 @@ static void fill_slots(const int32_t *table, int block_size, int start, int n, s
 /* One decode token's G query heads of KV head h (q rows at qb, out rows at ob, Hq heads of D
  * each) over the n keys at `slots`: the G rows share every load of K (`group_scores`) and V
  * (`group_values`, 4 rows at a time), with a float32 softmax per row between; `scores` holds
- * G rows of row_len. */
+ * G rows of row_len. With `part` (a share of a longer context's keys, `combine_parts`), row g's
+ * unnormalised sums go to part[g * (D + 2) ..), then its max score and its sum of weights. */
 static void decode_group(const uint16_t *qb, int G, int h, int D, size_t stride,
                          const uint16_t *kc, const uint16_t *vc, const size_t *slots, int n,
-                         float scale, float *scores, size_t row_len, uint16_t *ob) {
+                         float scale, float *scores, size_t row_len, uint16_t *ob, float *part) {
     group_scores(qb + (size_t)h * G * D, G, D, kc + (size_t)h * D, slots, stride, n, scale,
                  scores, row_len);
-    for (int g = 0; g < G; g++) softmax(scores + (size_t)g * row_len, n);
+    for (int g = 0; g < G; g++)
+        if (part) {
+            float *tail = part + (size_t)g * (D + 2) + D;
+            tail[1] = exp_from_max(scores + (size_t)g * row_len, n, &tail[0]);
+        } else {
+            softmax(scores + (size_t)g * row_len, n);
+        }
     const uint16_t *vbase = vc + (size_t)h * D;
-    uint16_t *og = ob + (size_t)h * G * D;
+    uint16_t *og = ob ? ob + (size_t)h * G * D : NULL;
     for (int r0 = 0; r0 < G; r0 += 4) {
         int rows = G - r0 < 4 ? G - r0 : 4, off = 0;
         for (; off + 64 <= D; off += 64) switch (rows) {
@@ -800,13 +818,57 @@ static void prefill_rows_amx(const uint16_t *q, int q_stride, int t0, int r0, in
 #endif
 
 #define SPLIT_COST 2048 /* query rows x keys from which a few decode items use every thread */
+#define PART_KEYS 256  /* a decode head's keys split in parts of at least this many */
 
 typedef struct {
-    int b, h0, nh; /* request, first KV head and how many */
-    int t0, m;     /* first token row and count (1 for a decode token) */
-    int r0, rows;  /* tile items: the first query row of the prompt and how many (<= 16) */
-    long cost;     /* query rows x keys, to hand out the longest items first */
+    int b, h0, nh;   /* request, first KV head and how many */
+    int t0, m;       /* first token row and count (1 for a decode token) */
+    int r0, rows;    /* tile items: the first query row of the prompt and how many (<= 16) */
+    long cost;       /* query rows x keys, to hand out the longest items first */
+    int part, parts; /* a decode head's keys in `parts` shares (1: whole), this one's index */
+    long at;         /* parts > 1: its partial sums' place (`combine_parts`), in units */
 } work_item;
+
+/* The keys a token at position seq_len - 1 attends to (all, or the window's). */
+static inline int key_span(int seq_len, int window) {
+    return window > 0 && seq_len > window ? window : seq_len;
+}
+
+/* Parts to split each KV head of a decode token over `keys` keys into: one, unless there are
+ * fewer than 4 such items per thread and their count does not divide among the threads (a lone
+ * request's 3 heads on 2 threads leave one thread idle a third of the time); then the fewest
+ * that make the items a multiple of the threads, each of at least PART_KEYS keys. The parts'
+ * partial sums are merged by `combine_parts`. */
+static int decode_parts(int decode_items, int keys) {
+    int threads = omp_get_max_threads(), a = decode_items, b = threads;
+    if (decode_items == 0 || decode_items >= 4 * threads) return 1;
+    while (b) {
+        int t = a % b;
+        a = b, b = t;
+    }
+    int parts = threads / a, most = keys / PART_KEYS; /* a: gcd(items, threads) */
+    return parts < most ? parts : most > 1 ? most : 1;
+}
+
+/* Row g of ob (G rows of D, bf16) = the softmax-weighted values over all the parts' keys, from
+ * the parts' partial sums (`decode_group` with part: G rows of D sums, their max, their sum of
+ * weights each), rescaled to the largest max. */
+static void combine_parts(const float *partial, int parts, int G, int D, uint16_t *ob) {
+    size_t row = (size_t)D + 2, unit = (size_t)G * row;
+    for (int g = 0; g < G; g++) {
+        const float *first = partial + (size_t)g * row; /* part p's row: first + p * unit */
+        float mx = -__builtin_inff(), sum = 0.0f;
+        for (int p = 0; p < parts; p++) mx = first[p * unit + D] > mx ? first[p * unit + D] : mx;
+        for (int p = 0; p < parts; p++)
+            sum += __builtin_expf(first[p * unit + D] - mx) * first[p * unit + D + 1];
+        for (int c = 0; c < D / 16; c++) {
+            v16f acc = {0};
+            for (int p = 0; p < parts; p++)
+                acc += __builtin_expf(first[p * unit + D] - mx) * vload(first + p * unit + 16 * c);
+            store_bf16(ob + (size_t)g * D + 16 * c, acc * (1.0f / sum));
+        }
+    }
+}
 
 static int by_cost_desc(const void *a, const void *b) {
     long x = ((const work_item *)a)->cost, y = ((const work_item *)b)->cost;
@@ -837,7 +899,8 @@ int kvflow_attention_tiles(int want) {
  * D]). D must be a multiple of 16, at most 256. out [T, Hq, D].
  *
  * Work items: a decode token (q_len 1) with a range of its KV heads (all of them when the decode
- * tokens alone keep the threads busy, else one); a prompt or chunk (q_len > 1) per KV head and
+ * tokens alone keep the threads busy, else one, its keys in parts where the heads would not
+ * divide among the threads: `decode_parts`); a prompt or chunk (q_len > 1) per KV head and
  * tile of QT tokens, or on AMX tiles per KV head and 16 query rows, after its K/V are packed.
  * The costliest go first, handed out one at a time.
  */
@@ -857,16 +920,24 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
         else tiles += amx ? (len * G + 15) / 16 : (len + QT - 1) / QT;
     }
     int heads_per_item = decodes >= 4 * omp_get_max_threads() ? Hkv : 1;
-    int items = decodes * (Hkv / heads_per_item) + tiles * Hkv;
+    /* decode heads split in parts only when each item is one head */
+    int items = tiles * Hkv, decode_items = heads_per_item == 1 ? decodes * Hkv : 0;
+    long units = 0, unit = 0; /* split decode heads' partial sums (G rows each): count, next */
+    for (int b = 0; b < B; b++)
+        if (query_start_loc[b + 1] - query_start_loc[b] == 1) {
+            int parts = decode_parts(decode_items, key_span(seq_lens[b], window));
+            items += (Hkv / heads_per_item) * parts;
+            if (parts > 1) units += (long)Hkv * parts;
+        }
     work_item *work = malloc(sizeof(work_item) * (size_t)(items > 0 ? items : 1));
+    float *partial = units ? malloc(sizeof(float) * (size_t)units * G * (D + 2)) : NULL;
     /* AMX: prompt b's keys from kbase[b] (a multiple of KCH) are packed at chunk pack_at[b] */
     int *kbase = calloc((size_t)B, sizeof(int));
     long *pack_at = calloc((size_t)B + 1, sizeof(long));
     int w = 0;
     for (int b = 0; b < B; b++) {
         int t0 = query_start_loc[b], len = query_start_loc[b + 1] - t0;
-        int pos0 = seq_lens[b] - len;
-        int span = window > 0 && seq_lens[b] > window ? window : seq_lens[b];
+        int pos0 = seq_lens[b] - len, span = key_span(seq_lens[b], window);
         pack_at[b] = chunks;
         if (amx && len > 1) {
             int first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
@@ -877,14 +948,23 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                     int rows = len * G - r0 < 16 ? len * G - r0 : 16;
                     int seen = pos0 + (r0 + rows - 1) / G + 1; /* keys the last row sees */
                     work[w++] = (work_item){b, h, 1, t0, len, r0, rows,
-                                            (long)rows * (seen < span ? seen : span)};
+                                            (long)rows * (seen < span ? seen : span), 0, 1, 0};
                 }
             continue;
         }
-        for (int h = 0; h < Hkv; h += len == 1 ? heads_per_item : 1)
+        if (len == 1) {
+            int parts = decode_parts(decode_items, span);
+            for (int h = 0; h < Hkv; h += heads_per_item)
+                for (int p = 0; p < parts; p++)
+                    work[w++] = (work_item){b, h, heads_per_item, t0, 1, 0, 0,
+                                            (long)G * heads_per_item * span / parts, p, parts,
+                                            parts > 1 ? unit++ : 0};
+            continue;
+        }
+        for (int h = 0; h < Hkv; h++)
             for (int i = 0; i < len; i += QT) {
-                int m = len - i < QT ? len - i : QT, nh = len == 1 ? heads_per_item : 1;
-                work[w++] = (work_item){b, h, nh, t0 + i, m, 0, 0, (long)m * G * nh * span};
+                int m = len - i < QT ? len - i : QT;
+                work[w++] = (work_item){b, h, 1, t0 + i, m, 0, 0, (long)m * G * span, 0, 1, 0};
             }
     }
     pack_at[B] = chunks;
@@ -962,15 +1042,32 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
             int pos0 = seq_lens[it.b] - len + (it.t0 - t0q); /* the item's first position */
             int start = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
             int n = pos0 + it.m - start;
+            if (it.parts > 1) { /* a share of a decode head's keys: partial sums */
+                int k0 = (int)((long)n * it.part / it.parts);
+                int k1 = (int)((long)n * (it.part + 1) / it.parts);
+                fill_slots(block_tables + (size_t)it.b * max_blocks, block_size, start + k0,
+                           k1 - k0, slots);
+                decode_group(q + (size_t)it.t0 * q_stride, G, it.h0, D, stride, kc, vc, slots,
+                             k1 - k0, scale, scores, row_len, NULL,
+                             partial + (size_t)it.at * G * (D + 2));
+                continue;
+            }
             fill_slots(block_tables + (size_t)it.b * max_blocks, block_size, start, n, slots);
             if (len == 1) { /* a decode token */
                 for (int h = it.h0; h < it.h0 + it.nh; h++)
                     decode_group(q + (size_t)it.t0 * q_stride, G, h, D, stride, kc, vc, slots, n,
-                                 scale, scores, row_len, out + (size_t)it.t0 * Hq * D);
+                                 scale, scores, row_len, out + (size_t)it.t0 * Hq * D, NULL);
             } else {
                 prefill_tile(q, q_stride, it.t0, it.m, pos0, it.h0, G, D, stride, kc, vc, slots,
                              start, window, scale, &s, out, Hq);
             }
+        }
+        if (units > 0) { /* the split heads' parts, merged (after the items' barrier) */
+#pragma omp for schedule(static)
+            for (int i = 0; i < items; i++)
+                if (work[i].parts > 1 && work[i].part == 0)
+                    combine_parts(partial + (size_t)work[i].at * G * (D + 2), work[i].parts, G, D,
+                                  out + ((size_t)work[i].t0 * Hq + (size_t)work[i].h0 * G) * D);
         }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (chunks > 0) _tile_release();
@@ -990,6 +1087,7 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
         free(s.qrow);
     }
     free(work);
+    free(partial);
     free(kbase);
     free(pack_at);
     free(kpack);
