@@ -159,7 +159,9 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
     if name in KVFLOW_ARGS:
         kvflow = Path(sys.executable).parent / "kvflow"
         argv = [str(kvflow), "serve", *common, "--served-model-name", "model"]
-        return argv + shlex.split(args.kvflow_args) + KVFLOW_ARGS[name], {}
+        # vLLM-CPU's KV budget below, read by kvflow too: resident memory compares like for like
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        return argv + shlex.split(args.kvflow_args) + KVFLOW_ARGS[name], env
     if name == "vllm":
         python = install(args.peers_dir, "vllm")
         shim = str(args.peers_dir / "vllm_shim.py")

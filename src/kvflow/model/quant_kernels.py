@@ -94,9 +94,10 @@ def apply(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None) -> torc
 
 
 def embedding(ids: torch.Tensor, weight: Quantized, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of a quantized embedding table, dequantized to `dtype`."""
+    """Rows `ids` of a quantized embedding table, dequantized to `dtype` (by the native
+    kernel where it runs, as the prompt steps' weights are: `dequantize`)."""
     if isinstance(weight, Fp8Weight):
-        rows = Fp8Weight(weight.codes[ids], weight.scales[ids])
+        rows = Fp8Weight(weight.codes[ids], weight.scales[ids]).dequantize(dtype)
     else:
-        rows = weight.rows(ids.reshape(-1))
-    return rows.dequantize(dtype).reshape(*ids.shape, -1)
+        rows = dequantize(weight.rows(ids.reshape(-1)), dtype)
+    return rows.reshape(*ids.shape, -1)
