@@ -38,6 +38,9 @@ KVFLOW_ARGS = {
     "kvflow-bf16": ["--quantization", "none"],
 }
 MARKER = ".kvflow-installed"
+# the CPU KV budget (GiB) every server gets, vLLM's variable, which kvflow reads too: resident
+# memory then compares like for like (the caller's value wins)
+KV_SPACE = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
 DISTRIBUTIONS = {
     "kvflow": "kvflow",
     "kvflow-gguf": "kvflow",
@@ -159,15 +162,13 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
     if name in KVFLOW_ARGS:
         kvflow = Path(sys.executable).parent / "kvflow"
         argv = [str(kvflow), "serve", *common, "--served-model-name", "model"]
-        # vLLM-CPU's KV budget below, read by kvflow too: resident memory compares like for like
-        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        return argv + shlex.split(args.kvflow_args) + KVFLOW_ARGS[name], env
+        return argv + shlex.split(args.kvflow_args) + KVFLOW_ARGS[name], dict(KV_SPACE)
     if name == "vllm":
         python = install(args.peers_dir, "vllm")
         shim = str(args.peers_dir / "vllm_shim.py")
         argv = [str(python), shim, "serve", str(hf_model_dir()), *common]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-        env = {k: os.environ.get(k, v) for k, v in env.items()}  # the caller's values win
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+        env = {**KV_SPACE, **{k: os.environ.get(k, v) for k, v in env.items()}}  # caller's win
         return argv + ["--served-model-name", "model", *shlex.split(args.vllm_args)], env
     if name == "llamacpp":
         python = install(args.peers_dir, "llamacpp")

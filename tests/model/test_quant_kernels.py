@@ -310,3 +310,12 @@ def test_quantized_embedding_rows() -> None:
     rows = quant_kernels.embedding(ids, weight, torch.float32)
     assert rows.shape == (2, 2, 64)
     assert torch.equal(rows[0, 0], weight.dequantize(torch.float32)[3])
+
+
+def test_quantized_embedding_rows_are_the_prompt_steps_values() -> None:
+    """Rows of a table with mins (Q4_1) hold exactly what the whole layer dequantizes to for a
+    prompt step (`quant_kernels.dequantize`), in bf16 as the model runs."""
+    weight = from_gguf_blocks(gguf_tensor("Q4_1", 40, 96), "Q4_1", 96)
+    ids = torch.tensor([7, 39, 0, 7])
+    rows = quant_kernels.embedding(ids, weight, torch.bfloat16)
+    assert torch.equal(rows, quant_kernels.dequantize(weight, torch.bfloat16)[ids])
