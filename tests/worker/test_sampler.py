@@ -292,24 +292,29 @@ def _native_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 ARGMAX_PATHS = {"torch chunked": chunked_argmax, "native": _native_argmax}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path", ARGMAX_PATHS)
 @pytest.mark.parametrize("vocab", [128256, 49152, 256, 1000, 65521, 7, 1, 17], ids=str)
-def test_row_argmax_is_torch_argmax_first_index_on_ties(vocab: int, path: str) -> None:
+def test_row_argmax_is_torch_argmax_first_index_on_ties(vocab: int, path: str, dtype) -> None:
     """Both reductions give torch.argmax's index (the first of tied maxima, across and inside
     chunks or vector lanes; a prime vocab is one chunk; 17: one vector and a tail) and the row
-    maximum, at batch 1 and larger."""
+    maximum, at batch 1 and larger, of float32 rows and of bf16 ones (a decode step's logits
+    on the CPU), whose rounding makes more ties."""
     from support.logit_rows import hard_rows
 
     for logits in hard_rows(vocab, gen(vocab)):
+        logits = logits.to(dtype)
         for batch in (logits[:1], logits):
             argmax, row_max = ARGMAX_PATHS[path](batch)
             assert argmax.dtype == torch.int64
             assert torch.equal(argmax, batch.argmax(dim=-1))
-            torch.testing.assert_close(row_max, batch.amax(dim=-1), rtol=0, atol=0, equal_nan=True)
+            expected = batch.amax(dim=-1).to(row_max.dtype)
+            torch.testing.assert_close(row_max, expected, rtol=0, atol=0, equal_nan=True)
 
 
-def test_row_argmax_takes_the_native_kernel_for_cpu_float32(monkeypatch) -> None:
-    """float32 logits on the CPU go to the native kernel when it loaded; others to torch."""
+def test_row_argmax_takes_the_native_kernel_for_cpu_float32_and_bf16(monkeypatch) -> None:
+    """float32 and bf16 logits on the CPU go to the native kernel when it loaded; others to
+    torch."""
     from kvflow.kernels.cpu import build, ops
 
     if not build.native_available():
@@ -320,7 +325,9 @@ def test_row_argmax_takes_the_native_kernel_for_cpu_float32(monkeypatch) -> None
     logits = torch.randn(4, 300, generator=gen(5))
     assert torch.equal(row_argmax(logits)[0], logits.argmax(-1))
     assert torch.equal(row_argmax(logits.double())[0], logits.argmax(-1))
-    assert calls == [torch.float32]
+    half = logits.bfloat16()
+    assert torch.equal(row_argmax(half)[0], half.argmax(-1))
+    assert calls == [torch.float32, torch.bfloat16]
 
 
 def test_chunked_argmax_chunks_fewer_as_the_batch_grows() -> None:
@@ -354,6 +361,35 @@ def test_all_greedy_is_one_reduction_not_a_sum_or_full_argmax(monkeypatch) -> No
     out = sample(logits, build([SamplingParams(temperature=0.0)] * 3, vocab=1024))
     assert torch.equal(out.sampled, expected)
     assert not out.bad_mask.any()
+
+
+def test_bf16_logits_are_widened_only_for_rows_that_need_their_values(monkeypatch) -> None:
+    """A decode step's bf16 logits (the CPU head's dtype): an all-greedy batch takes the argmax
+    of them as they are, with no float32 copy; penalties, random rows and logprobs see them
+    widened, exactly as if float32 logits of the same values had come in."""
+    logits = rand_logits(4, seed=12, vocab=1024).bfloat16()
+    wide = logits.float()
+    greedy = build([SamplingParams(temperature=0.0)] * 4, vocab=1024)
+    widened = []
+    to_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(t.dtype) or to_float(t))
+    out = sample(logits, greedy)
+    assert torch.equal(out.sampled, wide.argmax(-1)) and widened == []
+    for params in (
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.7),
+    ):
+        meta = build([params] * 4, outputs=[[1, 2, 3]] * 4, vocab=1024)
+        torch.manual_seed(0)
+        got = sample(logits, meta)
+        torch.manual_seed(0)
+        expected = sample(wide, meta)
+        assert torch.equal(got.sampled, expected.sampled), params
+        if expected.logprob_tensors is not None:
+            for a, b in zip(got.logprob_tensors, expected.logprob_tensors, strict=True):
+                assert torch.equal(a, b)
+    assert torch.bfloat16 in widened
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

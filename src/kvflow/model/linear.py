@@ -71,12 +71,15 @@ def logits_linear(
     packed: torch.Tensor | None,
     native: torch.Tensor | None,
     quant: quant_kernels.Quantized | None = None,
+    float32: bool = True,
 ) -> torch.Tensor:
     """float32 logits of hidden rows x [N, hidden] by the head's weight [vocab, hidden]:
-    `linear` in the model's dtype, then float32. A decode row on CUDA stores its logits in
+    `linear` in the model's dtype, then float32 (with `float32` False: as `linear` gives them,
+    for a reader that widens only the rows it needs). A decode row on CUDA stores its logits in
     float32 straight from the one-row kernel where that wins, saving the conversion's kernel."""
     if quant is not None:  # the head's quantized weight (`model.quantize`); `weight` shapes it
-        return quant_kernels.apply(x, quant, None).float()
+        out = quant_kernels.apply(x, quant, None)
+        return out.float() if float32 else out
     ops = one_row_ops(x)
     if ops is not None:
 
@@ -85,7 +88,8 @@ def logits_linear(
 
         if tuning.gemv_wins("logits", x, weight, None, gemv, lambda: F.linear(x, weight).float()):
             return gemv()
-    return linear(x, weight, None, packed, native).float()
+    out = linear(x, weight, None, packed, native)
+    return out.float() if float32 else out
 
 
 def prepack_for_cpu(model: nn.Module) -> int:

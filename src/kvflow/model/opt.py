@@ -156,7 +156,9 @@ class OPTForCausalLM(nn.Module):
         """The [vocab, hidden] matrix that turns hidden states into logits (tied or not)."""
         return (self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head).weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, word_embed_proj_dim] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, word_embed_proj_dim] -> float32 logits [N, vocab] (`logits_linear`'s
+        `float32`)."""
         weight = self.logits_weight()
-        return logits_linear(hidden, weight, self.head_packed, self.head_native, self.head_quant)
+        head = (self.head_packed, self.head_native, self.head_quant)
+        return logits_linear(hidden, weight, *head, float32=float32)

@@ -1,9 +1,10 @@
 """Architecture name (config.json "architectures") -> model class, imported only when asked for.
 
 A model class provides `__init__(config, attn_backend=None)`, `forward(input_ids, positions,
-kv_caches, attn_metadata) -> hidden [T, H]`, `compute_logits(hidden [N, H]) -> float32 [N, V]`,
-`packed_modules` (fused parameter -> checkpoint tensors, in shard order) and
-`checkpoint_name(name) -> str | None` (checkpoint tensor -> parameter name, None to skip).
+kv_caches, attn_metadata) -> hidden [T, H]`, `compute_logits(hidden [N, H], float32=True) ->
+[N, V]` (float32, or with float32=False the head's own dtype), `packed_modules` (fused
+parameter -> checkpoint tensors, in shard order) and `checkpoint_name(name) -> str | None`
+(checkpoint tensor -> parameter name, None to skip).
 """
 
 from __future__ import annotations

@@ -49,9 +49,10 @@ class TensorParallelLM(nn.Module):
     def forward(self, *args: Any) -> torch.Tensor:
         return self.inner(*args)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab], the same on every rank."""
-        local = self.inner.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab] (`logits_linear`'s `float32`), the
+        same on every rank."""
+        local = self.inner.compute_logits(hidden, float32)
         return self.group.all_gather_last(local)[:, : self.vocab_size]
 
 

@@ -83,8 +83,10 @@ def pack_inputs(
 
 
 class DecodeOutput(NamedTuple):
-    """A decode step's rows as a graph leaves them: final hidden states [B, hidden], float32
-    logits [B, V], and `greedy.raw_argmax` of those logits (what an all-greedy batch samples)."""
+    """A decode step's rows as a graph leaves them: final hidden states [B, hidden], logits
+    [B, V] (float32 on CUDA; on the CPU the head's dtype, which the sampler widens only for rows
+    that need more than the argmax), and `greedy.raw_argmax` of those logits (what an all-greedy
+    batch samples)."""
 
     hidden: torch.Tensor
     logits: torch.Tensor
@@ -219,7 +221,7 @@ class DecodeGraphs:
             block_size=self.block_size,
         )
         hidden = self._hidden(bucket, meta)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, float32=self.device.type == "cuda")
         return DecodeOutput(hidden, logits, raw_argmax(logits))
 
     def _hidden(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Greedy tokens and bad rows of raw float32 logits in one reduction: the Triton kernels on CUDA,
+"""Greedy tokens and bad rows of raw logits in one reduction: the Triton kernels on CUDA,
 the native kernel on the CPU (`kernels.cpu.ops.row_argmax`), a chunked torch reduction
 elsewhere."""
 
@@ -16,9 +16,9 @@ RawArgmax = tuple[Tensor, Tensor, Tensor | None]
 
 
 def raw_argmax(logits: Tensor) -> RawArgmax:
-    """The greedy tokens and bad rows (see `SamplerOutput.bad_mask`) of raw float32 logits: on
-    CUDA from two Triton kernels (`kernels.triton.argmax.argmax_rows`, which also lay out the
-    block the host copies), elsewhere from `row_argmax`."""
+    """The greedy tokens and bad rows (see `SamplerOutput.bad_mask`) of raw logits (float32;
+    on the CPU also bf16): on CUDA from two Triton kernels (`kernels.triton.argmax.argmax_rows`,
+    which also lay out the block the host copies), elsewhere from `row_argmax`."""
     if logits.is_cuda:
         from kvflow.kernels.triton.argmax import argmax_rows  # triton: CUDA installs only
 
@@ -32,9 +32,11 @@ def raw_argmax(logits: Tensor) -> RawArgmax:
 def row_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     """(argmax int64 [B], max [B]) of each row of `logits` [B, V]: the first index holding the
     row's maximum, as `torch.argmax` gives it (a NaN counts as the maximum and is the maximum).
-    float32 on the CPU: the native kernel (one pass per row, rows split among the threads, a few
-    times the torch reduction's speed: benchmarks/RESULTS.md); otherwise `chunked_argmax`."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and build.native_available():
+    float32 or bf16 on the CPU: the native kernel (one pass per row, rows split among the
+    threads, a few times the torch reduction's speed: benchmarks/RESULTS.md); otherwise
+    `chunked_argmax`."""
+    native = logits.dtype in (torch.float32, torch.bfloat16) and build.native_available()
+    if logits.device.type == "cpu" and native:
         return ops.row_argmax(logits)
     return chunked_argmax(logits)
 

@@ -311,12 +311,15 @@ class SamplerOutput:
 
 
 def sample(logits: Tensor, meta: SamplingMetadata, raw: RawArgmax | None = None) -> SamplerOutput:
-    """Sample one token per row of `logits` [B, V] (float32); `logits` is not modified. `raw`:
+    """Sample one token per row of `logits` [B, V] (float32, or the head's dtype: widened to
+    float32 unless every row takes the raw argmax); `logits` is not modified. `raw`:
     `raw_argmax(logits)`, where it was already made (inside a decode graph). Three steps: one
     reduction of the raw logits (bad rows, greedy tokens), the logits processed (bias,
     penalties, min_tokens) where a row asks, then each row's token, greedy or random."""
-    logits = logits.float()
     argmax, bad_mask, ids_and_bad = raw_argmax(logits) if raw is None else raw
+    if meta.all_greedy and not _processes(meta) and meta.max_num_logprobs is None:
+        return SamplerOutput(sampled=argmax, bad_mask=bad_mask, ids_and_bad=ids_and_bad)
+    logits = logits.float()
     processed, argmax, ids_and_bad = _processed(logits, meta, argmax, ids_and_bad)
     sampled, ids_and_bad = _choose(processed, meta, argmax, ids_and_bad)
     out = SamplerOutput(sampled=sampled, bad_mask=bad_mask, ids_and_bad=ids_and_bad)
@@ -331,12 +334,18 @@ def _processed(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(logits after bias, penalties and min_tokens, their greedy tokens, the raw reduction's
     block while it still holds the greedy tokens); the logits themselves where no row asks."""
-    if not (meta.has_penalties or meta.min_tokens_mask is not None or meta.logit_bias is not None):
+    if not _processes(meta):
         return logits, argmax, ids_and_bad
     processed = apply_penalties(logits.clone(), meta)
     if not meta.all_random:
         argmax = raw_argmax(processed)[0]
     return processed, argmax, None  # the raw block's argmax row is not the greedy tokens
+
+
+def _processes(meta: SamplingMetadata) -> bool:
+    """Whether some row's logits change before its token is chosen (bias, penalties,
+    min_tokens)."""
+    return meta.has_penalties or meta.min_tokens_mask is not None or meta.logit_bias is not None
 
 
 def _choose(

@@ -92,7 +92,7 @@ def library() -> ctypes.CDLL | None:
         "kvflow_rms_norm": [ptr, ptr, ptr, ctypes.c_float, ptr, num, num],
         "kvflow_rotary": [ptr, num, num, num, num, ptr, num, ptr, num],
         "kvflow_silu_mul": [ptr, ptr, num, num],
-        "kvflow_row_argmax": [ptr, num, ctypes.c_long, ptr, ptr],
+        "kvflow_row_argmax": [ptr, num, ctypes.c_long, num, ptr, ptr],
     }.items():
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = args

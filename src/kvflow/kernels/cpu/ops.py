@@ -60,13 +60,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax int64 [B], max float32 [B]) of each row of float32 logits [B, V] on the CPU: the
-    first index of the row's maximum, a NaN counting as the maximum (torch.argmax's answer)."""
+    """(argmax int64 [B], max float32 [B]) of each row of float32 or bf16 logits [B, V] on the
+    CPU: the first index of the row's maximum, a NaN counting as the maximum (torch.argmax's
+    answer)."""
     lib = library()
     assert lib is not None, "check build.native_available() first"
+    assert logits.dtype in (torch.float32, torch.bfloat16), logits.dtype
     logits = logits.contiguous()
     batch, vocab = logits.shape
     argmax = torch.empty(batch, dtype=torch.int64)
     row_max = torch.empty(batch, dtype=torch.float32)
-    lib.kvflow_row_argmax(logits.data_ptr(), batch, vocab, argmax.data_ptr(), row_max.data_ptr())
+    bf16 = int(logits.dtype == torch.bfloat16)
+    lib.kvflow_row_argmax(
+        logits.data_ptr(), batch, vocab, bf16, argmax.data_ptr(), row_max.data_ptr()
+    )
     return argmax, row_max

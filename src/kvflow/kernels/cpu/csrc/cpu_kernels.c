@@ -406,20 +406,35 @@ static inline v16f pairs_dot(v16f acc, const uint16_t *a, const uint16_t *b) {
 #endif
 }
 
+/* The cache lines of row j (D bf16 at base + slots[j] * stride) of a pass over n rows: past
+ * the pass's end, row j - n of the pass that follows it (at `next`, the same slots; none when
+ * NULL). A decode pass prefetches the rows 32 ahead of it; without the next pass's first rows
+ * each of a token's passes (K, then V, per KV head) would begin on a wait for memory. */
+static inline __attribute__((always_inline)) void prefetch_row(
+    const uint16_t *base, const uint16_t *next, const size_t *slots, size_t stride, int j, int n,
+    int D) {
+    const uint16_t *row = NULL;
+    if (j < n) row = base + slots[j] * stride;
+    else if (next && j - n < n) row = next + slots[j - n] * stride;
+    if (row)
+        for (int d = 0; d < D; d += 32) __builtin_prefetch(row + d);
+}
+
 /* scores[g * row_len + j] = scale * (q_g . key j) for the G query rows q_g at q + g * D and
  * the keys at base + slots[j] * stride (bf16), j < n: sixteen keys at a time, each in its own
  * accumulator, the G rows in turn while those keys stay in L1; past n a zero row stands in
  * (a row has room up to n rounded up to 16). The products are of the bf16 values as they
- * are (exact), as the prompt tiles take them, and the scale comes after the sum. */
+ * are (exact), as the prompt tiles take them, and the scale comes after the sum. `next`: the
+ * rows read next (`prefetch_row`). */
 static void group_scores(const uint16_t *q, int G, int D, const uint16_t *base,
                          const size_t *slots, size_t stride, int n, float scale, float *scores,
-                         size_t row_len) {
+                         size_t row_len, const uint16_t *next) {
     static const uint16_t zero[256];
     for (int j0 = 0; j0 < n; j0 += 16) {
         const uint16_t *key[16];
         for (int i = 0; i < 16; i++) key[i] = j0 + i < n ? base + slots[j0 + i] * stride : zero;
-        for (int i = j0 + 32; i < j0 + 48 && i < n; i++) /* the keys two groups ahead */
-            for (int d = 0; d < D; d += 32) __builtin_prefetch(base + slots[i] * stride + d);
+        for (int i = j0 + 32; i < j0 + 48; i++) /* the keys two groups ahead */
+            prefetch_row(base, next, slots, stride, i, n, D);
         for (int g = 0; g < G; g++) {
             const uint16_t *qg = q + (size_t)g * D;
             v16f acc[16] = {0};
@@ -437,17 +452,20 @@ static void group_scores(const uint16_t *q, int G, int D, const uint16_t *base,
 /* out[r * D + off ..) for r < rows (16 nv dims) = sum over j < n of p_r[j] * value j (bf16 rows
  * at base + slots[j] * stride), p_r at scores + r * row_len: each value row is widened once for
  * all the rows; rows <= 4 and nv <= 4 keep every accumulator in a register. With outf, the sums
- * go there as float32 instead (row r at outf + r * ldf). */
+ * go there as float32 instead (row r at outf + r * ldf). `next`: the rows read after these
+ * (`prefetch_row`; whole rows of D, past n only). */
 static inline __attribute__((always_inline)) void group_values(
     const float *scores, size_t row_len, const uint16_t *base, const size_t *slots,
     size_t stride, int n, int off, const int nv, const int rows, int D, uint16_t *out,
-    float *outf, int ldf) {
+    float *outf, int ldf, const uint16_t *next) {
     v16f acc[4][4] = {{{0}}};
     for (int j = 0; j < n; j++) {
         const uint16_t *row = base + slots[j] * stride + off;
         if (j + 32 < n) /* each 64-byte line of the row 32 ahead */
             for (int c = 0; c < nv; c += 2)
                 __builtin_prefetch(base + slots[j + 32] * stride + off + 16 * c);
+        else
+            prefetch_row(base, next, slots, stride, j + 32, n, D);
         v16f v[4];
         for (int c = 0; c < nv; c++) v[c] = load_bf16(row + 16 * c);
         for (int r = 0; r < rows; r++) {
@@ -464,7 +482,7 @@ static inline __attribute__((always_inline)) void group_values(
 #define GROUP_VALUES(NV, ROWS)                                                                 \
     group_values(scores + (size_t)r0 * row_len, row_len, vbase, slots, stride, n, off, NV,     \
                  ROWS, D, og ? og + (size_t)r0 * D : NULL,                                   \
-                 part ? part + (size_t)r0 * (D + 2) : NULL, D + 2)
+                 part ? part + (size_t)r0 * (D + 2) : NULL, D + 2, r0 + 4 >= G ? next : NULL)
 
 /* The slots of positions start .. start + n - 1 of a request (its block table), in order. */
 static void fill_slots(const int32_t *table, int block_size, int start, int n, size_t *slots) {
@@ -478,12 +496,14 @@ static void fill_slots(const int32_t *table, int block_size, int start, int n, s
  * each) over the n keys at `slots`: the G rows share every load of K (`group_scores`) and V
  * (`group_values`, 4 rows at a time), with a float32 softmax per row between; `scores` holds
  * G rows of row_len. With `part` (a share of a longer context's keys, `combine_parts`), row g's
- * unnormalised sums go to part[g * (D + 2) ..), then its max score and its sum of weights. */
+ * unnormalised sums go to part[g * (D + 2) ..), then its max score and its sum of weights.
+ * `next`: the keys of the head that follows (same slots), prefetched as the values end. */
 static void decode_group(const uint16_t *qb, int G, int h, int D, size_t stride,
                          const uint16_t *kc, const uint16_t *vc, const size_t *slots, int n,
-                         float scale, float *scores, size_t row_len, uint16_t *ob, float *part) {
+                         float scale, float *scores, size_t row_len, uint16_t *ob, float *part,
+                         const uint16_t *next) {
     group_scores(qb + (size_t)h * G * D, G, D, kc + (size_t)h * D, slots, stride, n, scale,
-                 scores, row_len);
+                 scores, row_len, vc + (size_t)h * D);
     for (int g = 0; g < G; g++)
         if (part) {
             float *tail = part + (size_t)g * (D + 2) + D;
@@ -1049,14 +1069,15 @@ void kvflow_paged_attention(const uint16_t *q, int q_stride, const uint16_t *k,
                            k1 - k0, slots);
                 decode_group(q + (size_t)it.t0 * q_stride, G, it.h0, D, stride, kc, vc, slots,
                              k1 - k0, scale, scores, row_len, NULL,
-                             partial + (size_t)it.at * G * (D + 2));
+                             partial + (size_t)it.at * G * (D + 2), NULL);
                 continue;
             }
             fill_slots(block_tables + (size_t)it.b * max_blocks, block_size, start, n, slots);
             if (len == 1) { /* a decode token */
                 for (int h = it.h0; h < it.h0 + it.nh; h++)
                     decode_group(q + (size_t)it.t0 * q_stride, G, h, D, stride, kc, vc, slots, n,
-                                 scale, scores, row_len, out + (size_t)it.t0 * Hq * D, NULL);
+                                 scale, scores, row_len, out + (size_t)it.t0 * Hq * D, NULL,
+                                 h + 1 < it.h0 + it.nh ? kc + (size_t)(h + 1) * D : NULL);
             } else {
                 prefill_tile(q, q_stride, it.t0, it.m, pos0, it.h0, G, D, stride, kc, vc, slots,
                              start, window, scale, &s, out, Hq);
@@ -1209,18 +1230,21 @@ void kvflow_silu_mul(const uint16_t *gate_up, uint16_t *out, int T, int I) {
 
 /* ---- greedy tokens ----------------------------------------------------------------------- */
 
-/* The first index of row's maximum over n floats, as torch.argmax: a NaN counts as the maximum,
- * so the first NaN wins; *max gets the maximum (NaN then). Each of 16 lanes keeps its first
- * maximum (a strict compare), then the lanes' maximum and, among lanes holding it, the
- * smallest index; NaNs are only flagged in the loop, and looked for again when there are any. */
-static long first_argmax(const float *row, long n, float *max) {
+/* The first index of row's maximum over n values (float32, or bf16 where `bf16`), as
+ * torch.argmax: a NaN counts as the maximum, so the first NaN wins; *max gets the maximum (NaN
+ * then). Each of 16 lanes keeps its first maximum (a strict compare), then the lanes' maximum
+ * and, among lanes holding it, the smallest index; NaNs are only flagged in the loop, and looked
+ * for again when there are any. bf16 values widen exactly, so both give the same answer. */
+static inline __attribute__((always_inline)) long first_argmax(const void *row, long n,
+                                                               const int bf16, float *max) {
     const float ninf = -__builtin_inff();
     v16f best = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf,
                  ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf};
     v16i at = {0}, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, nan = {0};
     long j = 0;
+#define AT(i) (bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i])
     for (; j + 16 <= n; j += 16) {
-        v16f v = vload(row + j);
+        v16f v = bf16 ? load_bf16((const uint16_t *)row + j) : vload((const float *)row + j);
         v16i more = v > best;
         nan |= v != v;
         best = (v16f)(((v16i)v & more) | ((v16i)best & ~more));
@@ -1235,19 +1259,24 @@ static long first_argmax(const float *row, long n, float *max) {
         if (best[i] == m && (first || at[i] < idx)) idx = at[i], first = 0;
     }
     for (; j < n; j++) { /* the tail: its indices follow every lane's */
-        any_nan |= row[j] != row[j];
-        if (row[j] > m) m = row[j], idx = j;
+        float x = AT(j);
+        any_nan |= x != x;
+        if (x > m) m = x, idx = j;
     }
     if (any_nan)
         for (j = 0; j < n; j++)
-            if (row[j] != row[j]) return *max = row[j], j;
+            if (AT(j) != AT(j)) return *max = AT(j), j;
+#undef AT
     *max = m;
     return idx;
 }
 
-/* argmax[b] (int64) and max[b] of each row of x [B, V] (float32, rows contiguous): greedy
- * tokens and the row maxima that flag bad rows; rows split among the threads. */
-void kvflow_row_argmax(const float *x, int B, long V, int64_t *argmax, float *max) {
+/* argmax[b] (int64) and max[b] of each row of x [B, V] (float32, or bf16 where `bf16`; rows
+ * contiguous): greedy tokens and the row maxima that flag bad rows; rows split among the
+ * threads. */
+void kvflow_row_argmax(const void *x, int B, long V, int bf16, int64_t *argmax, float *max) {
 #pragma omp parallel for schedule(static) if (B > 1)
-    for (int b = 0; b < B; b++) argmax[b] = first_argmax(x + (size_t)b * V, V, max + b);
+    for (int b = 0; b < B; b++)
+        argmax[b] = bf16 ? first_argmax((const uint16_t *)x + (size_t)b * V, V, 1, max + b)
+                         : first_argmax((const float *)x + (size_t)b * V, V, 0, max + b);
 }
