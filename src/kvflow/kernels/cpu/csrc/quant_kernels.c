@@ -796,7 +796,11 @@ int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const void *sca
         int8_t *pad = calloc(16, (size_t)K); /* a last partial tile, zero rows after N */
         float *wide = half ? malloc(sizeof(float) * 32 * (size_t)groups) : NULL;
         v16f acc[2][16];
-#pragma omp for schedule(static)
+        /* guided: each thread starts on a long run of tiles (whose next tile it prefetches)
+         * and the runs shrink toward the end, so a thread that falls behind (the cores are
+         * shared with the server's other threads, and one core computes a few % slower) hands
+         * its last tiles to the other instead of keeping it waiting at the barrier */
+#pragma omp for schedule(guided)
         for (int t = 0; t < tiles; t++) {
             int n0 = t * 16, rows = N - n0 < 16 ? N - n0 : 16;
             long row_bytes = bits == 4 ? K / 2 : K;
