@@ -35,8 +35,8 @@ def row_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     float32 or bf16 on the CPU: the native kernel (one pass per row, rows split among the
     threads, a few times the torch reduction's speed: benchmarks/RESULTS.md); otherwise
     `chunked_argmax`."""
-    native = logits.dtype in (torch.float32, torch.bfloat16) and build.native_available()
-    if logits.device.type == "cpu" and native:
+    on_cpu = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
+    if on_cpu and build.native_available():
         return ops.row_argmax(logits)
     return chunked_argmax(logits)
 

@@ -1230,6 +1230,11 @@ void kvflow_silu_mul(const uint16_t *gate_up, uint16_t *out, int T, int I) {
 
 /* ---- greedy tokens ----------------------------------------------------------------------- */
 
+/* Element i of a row of float32 values, or of bf16 ones where `bf16`, as a float. */
+static inline float value_at(const void *row, long i, const int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
 /* The first index of row's maximum over n values (float32, or bf16 where `bf16`), as
  * torch.argmax: a NaN counts as the maximum, so the first NaN wins; *max gets the maximum (NaN
  * then). Each of 16 lanes keeps its first maximum (a strict compare), then the lanes' maximum
@@ -1242,7 +1247,6 @@ static inline __attribute__((always_inline)) long first_argmax(const void *row, 
                  ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf};
     v16i at = {0}, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, nan = {0};
     long j = 0;
-#define AT(i) (bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i])
     for (; j + 16 <= n; j += 16) {
         v16f v = bf16 ? load_bf16((const uint16_t *)row + j) : vload((const float *)row + j);
         v16i more = v > best;
@@ -1259,14 +1263,15 @@ static inline __attribute__((always_inline)) long first_argmax(const void *row, 
         if (best[i] == m && (first || at[i] < idx)) idx = at[i], first = 0;
     }
     for (; j < n; j++) { /* the tail: its indices follow every lane's */
-        float x = AT(j);
+        float x = value_at(row, j, bf16);
         any_nan |= x != x;
         if (x > m) m = x, idx = j;
     }
     if (any_nan)
-        for (j = 0; j < n; j++)
-            if (AT(j) != AT(j)) return *max = AT(j), j;
-#undef AT
+        for (j = 0; j < n; j++) {
+            float x = value_at(row, j, bf16);
+            if (x != x) return *max = x, j;
+        }
     *max = m;
     return idx;
 }
