@@ -630,31 +630,39 @@ static void store_tile(const v16f acc[16], int rows, int mrows, const uint16_t *
     }
 }
 
-/* x [M, K] bf16 -> xq[M / 16][K / 4][16][4] int8 (quads of k per activation row; the caller
- * zeroes rows past M), dx[M / 16][K / 32][16]: max |x| / 127 of each row's 32-column blocks
- * (NaN where a block holds a NaN or an infinity, so that the output is not finite either), and,
- * xs not NULL, xs[M / 16][K / group][16]: each row's float sum over each group. Rows are split
- * among the threads of the enclosing parallel region. */
+/* x [M, K] bf16 -> xq[M / 16][K / 4][16][4] int8 (quads of k per activation row, zeros for
+ * rows past M), dx[M / 16][K / 32][16]: max |x| / 127 of each row's 32-column blocks (NaN where
+ * a block holds a NaN or an infinity, so that the output is not finite either), and, xs not
+ * NULL, xs[M / 16][K / group][16]: each row's float sum over each group. The threads of the
+ * enclosing parallel region take whole chunks of 16 rows: the rows of a chunk share cache
+ * lines, and a line written by both cores moves between them at every write. */
 static void quantize_rows(const uint16_t *x, int M, int K, int group, int8_t *xq, float *dx,
                           float *xs) {
     int blocks = K / 32, groups = K / group;
 #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
-        float *sums = xs ? xs + (long)(m / 16) * groups * 16 + m % 16 : NULL;
-        if (sums)
-            for (int g = 0; g < groups; g++) sums[g * 16] = 0.0f;
-        for (int b = 0; b < blocks; b++) {
-            const uint16_t *at = x + (long)m * K + b * 32;
-            __m512 lo, hi;
-            __m128i q0, q1;
-            float d = quantize_block(at, &lo, &hi, &q0, &q1);
-            uint32_t quads[8];
-            memcpy(quads, &q0, 16);
-            memcpy(quads + 4, &q1, 16);
-            int8_t *to = xq + ((long)(m / 16) * (K / 4) + b * 8) * 64 + (m % 16) * 4;
-            for (int i = 0; i < 8; i++) memcpy(to + i * 64, &quads[i], 4);
-            dx[((long)(m / 16) * blocks + b) * 16 + m % 16] = d;
-            if (sums) add_block_sums(lo, hi, group, b, sums, 16);
+    for (int c = 0; c < (M + 15) / 16; c++) {
+        int rows = M - c * 16 < 16 ? M - c * 16 : 16;
+        int8_t *cq = xq + (long)c * K * 16;
+        float *cd = dx + (long)c * blocks * 16, *cs = xs ? xs + (long)c * groups * 16 : NULL;
+        if (rows < 16) {
+            memset(cq, 0, (size_t)K * 16);
+            memset(cd, 0, sizeof(float) * blocks * 16);
+        }
+        if (cs) memset(cs, 0, sizeof(float) * groups * 16);
+        for (int r = 0; r < rows; r++) {
+            for (int b = 0; b < blocks; b++) {
+                const uint16_t *at = x + ((long)c * 16 + r) * K + b * 32;
+                __m512 lo, hi;
+                __m128i q0, q1;
+                float d = quantize_block(at, &lo, &hi, &q0, &q1);
+                uint32_t quads[8];
+                memcpy(quads, &q0, 16);
+                memcpy(quads + 4, &q1, 16);
+                int8_t *to = cq + (long)b * 8 * 64 + r * 4;
+                for (int i = 0; i < 8; i++) memcpy(to + i * 64, &quads[i], 4);
+                cd[b * 16 + r] = d;
+                if (cs) add_block_sums(lo, hi, group, b, cs + r, 16);
+            }
         }
     }
 }
@@ -781,9 +789,6 @@ int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const void *sca
     float *dx = aligned_alloc(64, (size_t)chunks * (K / 32) * 64);
     float *xs = aligned_alloc(64, (size_t)chunks * groups * 64);
     if (xq == NULL || dx == NULL || xs == NULL) return free(xq), free(dx), free(xs), 0;
-    memset(xq, 0, (size_t)chunks * K * 16);
-    memset(dx, 0, (size_t)chunks * (K / 32) * 64);
-    memset(xs, 0, (size_t)chunks * groups * 64);
 #pragma omp parallel
     {
         quantize_rows(x, M, K, group, xq, dx, mins ? xs : NULL); /* ends in a barrier */
