@@ -14,6 +14,7 @@ from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from kvflow.core.perf import ModelShape
 from kvflow.kernels.cpu.build import native_available
+from kvflow.kernels.cpu.host_memory import keep_freed_memory
 from kvflow.kv_events import make_publisher
 from kvflow.model.linear import prepack_for_cpu
 from kvflow.model.loader import (
@@ -277,9 +278,11 @@ def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str
 
 def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: int, eos):
     """The ModelRunner over `model` with its KV tensors and, unless --enforce-eager, its decode
-    graphs (CUDA) or recorded decode steps (the CPU, `cpu_replay`); on the CPU the weights are
-    packed first and the native kernels built (not on the first request)."""
+    graphs (CUDA) or recorded decode steps (the CPU, `cpu_replay`); on the CPU malloc is set to
+    keep freed memory (`host_memory`), the weights are packed and the native kernels built (not
+    on the first request)."""
     if device == "cpu":
+        keep_freed_memory()
         prepack_for_cpu(model)
         native = native_available()
         logger.info("native CPU kernels: %s", "on" if native else "off (torch paths)")

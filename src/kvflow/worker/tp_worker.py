@@ -106,8 +106,10 @@ class RankWorker:
         )
         if device == "cpu":
             from kvflow.kernels.cpu.build import native_available
+            from kvflow.kernels.cpu.host_memory import keep_freed_memory
             from kvflow.model.linear import prepack_for_cpu
 
+            keep_freed_memory()
             prepack_for_cpu(model.inner)
             native_available()
         layers, kv_heads, head_dim = kv_cache_shape_for_rank(hf_config, self.group)
