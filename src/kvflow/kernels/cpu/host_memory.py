@@ -2,18 +2,18 @@
 
 A step's tensors (prompt activations of several MB, a decode step's logits) come and go through
 malloc. Left to its defaults, glibc serves the engine thread from a thread arena of 64 MiB heaps
-and deletes a heap as soon as it is empty again: on some runs every decode step made a new
-heap and deleted it, and every step's tensors were then page-faulted in afresh (100,000-400,000
-faults a benchmark run, prompt steps ~1.5x as long; benchmarks/RESULTS.md, 2026-12-03). Which
-runs do so depends on where long-lived tensors happen to sit, so it comes and goes.
+and deletes a heap as soon as it is empty again: on some runs every decode step made a new heap
+and deleted it, and every step's tensors were then page-faulted in afresh (100,000-400,000
+faults a benchmark run, prompt steps ~1.5x as long: benchmarks/RESULTS.md). Which runs do so
+depends on where long-lived tensors happen to sit, so it comes and goes.
 
 `keep_freed_memory` fixes the three thresholds involved (`mallopt`, which also stops glibc
-moving them itself): blocks up to 32 MiB (glibc's largest mmap threshold) come from the
-arenas, an arena keeps 64 MiB of free space at its top instead of deleting or shrinking a
-heap, and the main heap is trimmed only past 1 GiB of free space. The process keeps its
-high-water mark of freed tensors (a few hundred MB at most for a step of
-max_num_batched_tokens), which it reuses. A glibc malloc setting in the environment
-(GLIBC_TUNABLES, MALLOC_*_) wins: nothing is changed then.
+moving them itself): blocks up to 32 MiB (glibc's largest mmap threshold) come from the arenas,
+an arena keeps 64 MiB of free space at its top instead of deleting or shrinking a heap, and the
+main heap is trimmed only past 1 GiB of free space. The process keeps its high-water mark of
+freed tensors (a few hundred MB at most for a step of max_num_batched_tokens), which it reuses.
+A glibc malloc setting in the environment (GLIBC_TUNABLES, MALLOC_*_) wins: nothing is changed
+then.
 """
 
 from __future__ import annotations
