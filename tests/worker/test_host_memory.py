@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from kvflow.kernels.cpu.host_memory import ENVIRONMENT
+
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
 )
@@ -41,9 +43,11 @@ print(json.dumps({"applied": applied, "faults": faults}))
 
 
 def _steps(apply: bool, **env: str) -> dict:
+    """STEPS in a fresh process whose environment sets malloc only as `env` says."""
+    own = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and k not in ENVIRONMENT}
     done = subprocess.run(
         [sys.executable, "-c", STEPS, "1" if apply else "0"],
-        env={**os.environ, **env},
+        env={**own, **env},
         capture_output=True,
         text=True,
         timeout=120,
