@@ -166,11 +166,12 @@ def test_int8_kernels_keep_non_finite_rows_non_finite(kind: str, kernel: str) ->
 @needs_native
 def test_routing_by_rows() -> None:
     """bf16 rows take: VNNI up to its limit (by code bits beside AMX, else MAX_KERNEL_ROWS),
-    then AMX up to MAX_AMX_ROWS, the float32 kernel where neither runs (up to its limit), and
-    beyond every limit the dequantized bf16 matmul. Each route gives that kernel's exact output."""
+    then AMX-INT8 up to MAX_AMX_ROWS and AMX-BF16 ("gemm") up to MAX_GEMM_ROWS, the float32
+    kernel where neither runs (up to its limit), and beyond every limit the dequantized bf16
+    matmul. Each route gives that kernel's exact output."""
     q4 = from_gguf_blocks(gguf_tensor("Q4_1", 20, 64), "Q4_1", 64)
     q8 = from_gguf_blocks(gguf_tensor("Q8_0", 20, 64), "Q8_0", 64)
-    large = max(quant_kernels.MAX_KERNEL_ROWS, quant_kernels.MAX_AMX_ROWS) + 1
+    large = max(quant_kernels.MAX_KERNEL_ROWS, quant_kernels.MAX_GEMM_ROWS) + 1
     amx, vnni = quant.amx_available(), quant.vnni_available()
     MAX_KERNEL_ROWS = quant_kernels.MAX_KERNEL_ROWS
 
@@ -179,9 +180,12 @@ def test_routing_by_rows() -> None:
             return "vnni"
         if amx and rows <= quant_kernels.MAX_AMX_ROWS:
             return "amx"
+        if amx and rows <= quant_kernels.MAX_GEMM_ROWS:
+            return "gemm"
         return "float" if rows <= MAX_KERNEL_ROWS else "dequant"
 
     cases = [(q4, 1), (q4, 2), (q4, 5), (q8, 1), (q8, 2), (q8, MAX_KERNEL_ROWS + 1), (q4, large)]
+    cases.append((q4, quant_kernels.MAX_AMX_ROWS + 1))
     for weight, rows in cases:
         route = expect(weight.bits, rows)
         assert quant_kernels.route(rows, weight, torch.bfloat16) == route, (weight.bits, rows)
@@ -192,12 +196,65 @@ def test_routing_by_rows() -> None:
             expected = quant_kernels.kernel_linear(x, weight, None, route)
         assert torch.equal(quant_kernels.quant_linear(x, weight, None), expected), (rows, route)
     if amx and vnni:  # what the limits mean here: decode rows on VNNI, 5 rows of 4 bits on AMX
-        assert [quant_kernels.route(r, q4, torch.bfloat16) for r in (1, 4, 5)] == [
+        assert [quant_kernels.route(r, q4, torch.bfloat16) for r in (1, 4, 5, 17)] == [
             "vnni",
             "vnni",
             "amx",
+            "gemm",
         ]
     assert quant_kernels.route(3, q4, torch.float32) == "float"
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_gemm_kernel_matches_float64_matmul(kind: str) -> None:
+    """The AMX-BF16 kernel ("gemm"): its weights are `dequantize`'s bf16 values exactly (x the
+    identity: y = w.T, each output one product), and its sums within one float32 rounding per
+    product of the float64 matmul of those values, rounded once to bf16; weight rows crossing
+    its 16-row halves and 32-row tiles (1, 17, 33, 40), activation rows crossing its 16-row
+    chunks and their pairs (1, 17, 33, 47), a 32-column tail (544), with and without a bias."""
+    torch.manual_seed(0)
+    for cols in (256, 768) if kind in SUPER else (32, 544):
+        for rows in (1, 17, 33, 40):
+            weight = from_gguf_blocks(gguf_tensor(kind, rows, cols, seed=rows), kind, cols)
+            wb = quant_kernels.dequantize(weight, torch.bfloat16)
+            eye = torch.eye(cols).bfloat16()
+            assert torch.equal(quant_kernels.kernel_linear(eye, weight, None, "gemm"), wb.T)
+            w64 = wb.double()
+            bias = torch.randn(rows).bfloat16()
+            for m in (1, 17, 33, 47):
+                x = torch.randn(m, cols).bfloat16()
+                b = bias if m % 2 else None
+                y = quant_kernels.kernel_linear(x, weight, b, "gemm").double()
+                y64 = reference(x, w64, b)
+                magnitude = x.double().abs() @ w64.abs().T
+                bound = 2.0**-8 * y64.abs() + (cols + 2) * 2.0**-24 * magnitude
+                assert ((y - y64).abs() <= bound).all(), (kind, cols, rows, m)
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
+def test_gemm_silu_epilogue_is_silu_mul(kind: str) -> None:
+    """gate | up through the AMX-BF16 kernel with the SiLU epilogue equals `silu_mul` of the
+    kernel's plain output bit for bit (bias or none; gate and up 8 and 24 rows: a half tile,
+    and one crossing a tile), as an MLP's step takes it (`gated_linear`), and the routing
+    gives it only to the rows "gemm" takes."""
+    from kvflow.kernels.select import fused_ops
+
+    cols = 256
+    for half in (8, 24):
+        weight = from_gguf_blocks(gguf_tensor(kind, 2 * half, cols, seed=half), kind, cols)
+        bias = torch.randn(2 * half).bfloat16()
+        for m, b in ((17, None), (33, bias), (40, None)):
+            x = torch.randn(m, cols).bfloat16()
+            plain = quant_kernels.kernel_linear(x, weight, b, "gemm")
+            made = quant_kernels.gated_linear(x, weight, b)
+            assert made is not None and made.shape == (m, half)
+            # NaN where both are (random K-quant blocks reach inf; inf * 0 in silu(gate) * up)
+            expected = fused_ops(plain).silu_mul(plain)
+            torch.testing.assert_close(made, expected, rtol=0, atol=0, equal_nan=True)
+    small = torch.randn(quant_kernels.MAX_AMX_ROWS, cols).bfloat16()
+    assert quant_kernels.gated_linear(small, weight, None) is None
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
@@ -206,7 +263,7 @@ def test_large_batches_dequantize(kind: str) -> None:
     rounding of each value, 2^-9 relative; float32: exact), then torch's matmul."""
     weight = from_gguf_blocks(gguf_tensor(kind, 40, 256), kind, 256)
     w64 = weight.dequantize(torch.float64)
-    x = torch.randn(max(quant_kernels.MAX_KERNEL_ROWS, quant_kernels.MAX_AMX_ROWS) + 3, 256)
+    x = torch.randn(max(quant_kernels.MAX_KERNEL_ROWS, quant_kernels.MAX_GEMM_ROWS) + 3, 256)
     x = x.bfloat16()
     y = quant_kernels.quant_linear(x, weight, None).double()
     y64 = reference(x, w64, None)

@@ -124,13 +124,15 @@ def embedded_f32() -> Run:
     return run(None, quantization="none", dtype="float32")
 
 
-@pytest.mark.parametrize("route", ["amx", "vnni"])
+@pytest.mark.parametrize("route", ["amx", "gemm", "vnni"])
 def test_embedded_gguf_served_quantized(embedded_f32: Run, route: str) -> None:
     """`--quantization gguf`: the GGUF's blocks as stored, bf16 activations, steps of at most
-    MAX_AMX_ROWS tokens (AMX's rows where it runs) or VNNI_ROWS[4] (the VNNI kernel's, as a
-    lone request's decode steps take): every row through the decode kernels (activations
-    quantized to int8 per 32 columns), not the dequantized layers a long prompt takes."""
-    chunk = quant_kernels.MAX_AMX_ROWS if route == "amx" else quant_kernels.VNNI_ROWS[4]
+    MAX_AMX_ROWS tokens (AMX-INT8's rows where it runs), 4 x MAX_AMX_ROWS (AMX-BF16's, for the
+    prompts) or VNNI_ROWS[4] (the VNNI kernel's, as a lone request's decode steps take): every
+    prompt row through that kernel, not the dequantized layers a long prompt takes."""
+    chunk = {"amx": quant_kernels.MAX_AMX_ROWS, "gemm": 4 * quant_kernels.MAX_AMX_ROWS}.get(
+        route, quant_kernels.VNNI_ROWS[4]
+    )
     weight = from_gguf_blocks(np.zeros((1, 20 * 2), np.uint8), "Q4_1", 64)
     if quant_kernels.route(chunk, weight, torch.bfloat16) != route:
         pytest.skip(f"{chunk} rows of 4-bit codes do not take {route} on this CPU")

@@ -223,8 +223,9 @@ def norm_linear(
 
 
 def _projection(x: torch.Tensor, proj: Linear, silu: bool) -> torch.Tensor:
-    """proj(x); `silu`: silu(gate) * up of it, for a decode row on CUDA in the projection's
-    kernel (its epilogue) where that beats the projection then `silu_mul`."""
+    """proj(x); `silu`: silu(gate) * up of it, in the projection's kernel (its epilogue) for a
+    decode row on CUDA where that beats the projection then `silu_mul`, and for quantized
+    weights where the CPU batch takes the AMX-BF16 kernel (`quant_kernels.gated_linear`)."""
     if not silu:
         return proj(x)
     ops = one_row_ops(x)
@@ -239,6 +240,10 @@ def _projection(x: torch.Tensor, proj: Linear, silu: bool) -> torch.Tensor:
 
         if tuning.gemv_wins("silu", x, weight, bias, gated, separate):
             return gated()
+    if proj.quant is not None:  # a CPU batch's gate | up on AMX tiles: in the epilogue
+        made = quant_kernels.gated_linear(x, proj.quant, proj.bias)
+        if made is not None:
+            return made
     return _silu_mul(proj(x))
 
 

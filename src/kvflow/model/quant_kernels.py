@@ -4,9 +4,11 @@ quantized embedding lookup. The CPU kernels themselves are kvflow.kernels.cpu.qu
 For bf16 activations (`route`): a few rows (decode) take the AVX512-VNNI kernel, up to
 `VNNI_ROWS[bits]` where AMX is beside it and up to `MAX_KERNEL_ROWS` where it is not; more rows,
 up to `MAX_AMX_ROWS`, take the AMX-INT8 kernel (both quantize the activations to int8 per 32
-columns). Without either, the float32 kernel (codes widened in registers) takes up to
-`MAX_KERNEL_ROWS` rows, as it does for float32 activations. Larger batches (prompts) dequantize
-the weight to bf16 and run the bf16 matmul, which is faster there. The limits are measured
+columns); more, up to `MAX_GEMM_ROWS`, AMX's bf16 tiles on the weight dequantized inside the
+kernel ("gemm", which also makes an MLP's silu(gate) * up in its epilogue: `gated_linear`).
+Without AMX, the float32 kernel (codes widened in registers) takes up to `MAX_KERNEL_ROWS` rows,
+as it does for float32 activations. Larger batches (long prompts) dequantize the weight to bf16
+and run oneDNN's matmul, which is faster there. The limits are measured
 (benchmarks/quant_matmul.py; RESULTS.md).
 """
 
@@ -22,7 +24,8 @@ from kvflow.model.fp8_linear import Fp8Weight, fp8_linear
 from kvflow.model.quant_format import QuantizedWeight
 
 MAX_KERNEL_ROWS = 16  # rows the float32 and VNNI kernels take without AMX
-MAX_AMX_ROWS = 64  # rows the AMX kernel takes; more: dequantize, then bf16 matmul
+MAX_AMX_ROWS = 16  # rows the AMX-INT8 kernel takes; more: the bf16 one ("gemm")
+MAX_GEMM_ROWS = 1024  # rows the AMX-BF16 kernel takes; more: dequantize, then oneDNN's matmul
 VNNI_ROWS = {4: 4, 8: 1}  # rows the VNNI kernel takes beside AMX, by code bits
 
 
@@ -33,8 +36,8 @@ def native_available() -> bool:
 
 def route(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> str:
     """The kernel `rows` activation rows of `dtype` take against `weight`: "vnni", "amx",
-    "float" or "dequant" (see the module's doc)."""
-    beyond = max(MAX_KERNEL_ROWS, MAX_AMX_ROWS) + 1  # every count above the limits routes alike
+    "gemm", "float" or "dequant" (see the module's doc)."""
+    beyond = max(MAX_KERNEL_ROWS, MAX_GEMM_ROWS) + 1  # every count above the limits routes alike
     return _route(min(rows, beyond), weight.bits, weight.group, dtype)
 
 
@@ -48,6 +51,8 @@ def _route(rows: int, bits: int, group: int, dtype: torch.dtype) -> str:
             return "vnni"
     if amx and rows <= MAX_AMX_ROWS:
         return "amx"
+    if amx and rows <= MAX_GEMM_ROWS:
+        return "gemm"
     return "float" if rows <= MAX_KERNEL_ROWS else "dequant"
 
 
@@ -55,11 +60,13 @@ def kernel_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: str = "float"
 ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) -> [M, N] by a native kernel reading the codes in place:
-    "float" (x, bias and the result all bf16 or all float32), "amx" or "vnni" (bf16; check
-    `route` first)."""
+    "float" (x, bias and the result all bf16 or all float32), "amx", "gemm" or "vnni" (bf16;
+    check `route` first)."""
     parts = (weight.codes, weight.scales)
     if kernel == "float":
         return quant.linear(x, *parts, weight.mins, weight.bits, weight.group, bias)
+    if kernel == "gemm":
+        return quant.gemm_bf16(x, *parts, weight.mins, weight.bits, weight.group, bias)
     mins = weight.mins if weight.has_mins else None
     return quant.linear_int8(kernel, x, *parts, mins, weight.bits, weight.group, bias)
 
@@ -91,6 +98,18 @@ def apply(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None) -> torc
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight, bias)
     return quant_linear(x, weight, bias)
+
+
+def gated_linear(
+    x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """silu(gate) * up of x @ weight.T (+ bias), weight = gate | up, made in the "gemm" kernel's
+    epilogue where x's rows take that kernel (rounded as `silu_mul` rounds); None elsewhere."""
+    if not isinstance(weight, QuantizedWeight) or route(x.shape[0], weight, x.dtype) != "gemm":
+        return None
+    bias = None if bias is None else bias.to(x.dtype)
+    parts = (weight.codes, weight.scales, weight.mins, weight.bits, weight.group)
+    return quant.gemm_bf16(x, *parts, bias, silu=True)
 
 
 def embedding(ids: torch.Tensor, weight: Quantized, dtype: torch.dtype) -> torch.Tensor:

@@ -48,8 +48,10 @@ def _cpu_identity() -> str:
 
 
 def _build(compiler: str, path: Path = SOURCE) -> Path:
-    """The shared library of the C file `path` (built now unless cached) -> its path."""
-    source = path.read_bytes()
+    """The shared library of the C file `path` (built now unless cached) -> its path. The key
+    holds the headers beside it (csrc/*.h), which the C files include."""
+    headers = [h.read_bytes() for h in sorted(path.parent.glob("*.h"))]
+    source = b"\0".join([path.read_bytes(), *headers])
     key = hashlib.sha256(
         b"\0".join([source, " ".join([compiler, *FLAGS]).encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]

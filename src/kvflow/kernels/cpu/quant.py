@@ -9,6 +9,8 @@ both float32 or both float16; w[n, k] = scales[n, k / group] * code[n, k] + mins
 - `linear_int8`: the activations quantized to int8 per 32 columns (bf16), the products on
   AMX-INT8 tiles (only where `amx_available()` and `amx_takes(group)`) or AVX512-VNNI dot
   products (a few rows; only where `vnni_available()` and `vnni_takes(bits, group)`).
+- `gemm_bf16`: AMX-BF16 tiles on the weight dequantized to bf16 inside the kernel, 32 rows at a
+  time (batches; only where `amx_available()`), optionally with silu(gate) * up in its epilogue.
 - `dequantize`: the weight as bf16 or float32, for a large batch's matmul.
 """
 
@@ -51,6 +53,8 @@ def library() -> ctypes.CDLL | None:
     for name in ("kvflow_q_linear", "kvflow_q_linear_f32", *refusing):
         getattr(lib, name).restype = num if name in refusing else None
         getattr(lib, name).argtypes = [ptr] * 4 + [num] * 3 + [ptr] * 2 + [num] * 3
+    lib.kvflow_q_gemm_amx.restype = num  # 0: refused, nothing written
+    lib.kvflow_q_gemm_amx.argtypes = [ptr] * 4 + [num] * 3 + [ptr] * 2 + [num] * 4
     lib.kvflow_q_dequant.restype = None
     lib.kvflow_q_dequant.argtypes = [ptr] * 3 + [num] * 3 + [ptr] + [num] * 3
     lib.kvflow_q_amx_init.restype = num
@@ -97,6 +101,14 @@ def _half(scales: torch.Tensor) -> int:
     return int(scales.dtype == torch.float16)
 
 
+def _run(kernel, x, codes, scales, mins, bits, group, bias, out, *more) -> int:
+    """One of the linear kernels on x [M, K] and a weight's parts into out [M, ...]: the argument
+    list they share (`more` after it)."""
+    shape = (x.shape[0], codes.shape[0], x.shape[1])
+    parts = (codes.data_ptr(), scales.data_ptr(), _ptr(mins), _half(scales), bits, group)
+    return kernel(x.data_ptr(), *parts, _ptr(bias), out.data_ptr(), *shape, *more)
+
+
 def linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -113,20 +125,7 @@ def linear(
     x = x.contiguous()
     out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
     kernel = lib.kvflow_q_linear_f32 if x.dtype == torch.float32 else lib.kvflow_q_linear
-    kernel(
-        x.data_ptr(),
-        codes.data_ptr(),
-        scales.data_ptr(),
-        mins.data_ptr(),
-        _half(scales),
-        bits,
-        group,
-        _ptr(bias),
-        out.data_ptr(),
-        x.shape[0],
-        codes.shape[0],
-        x.shape[1],
-    )
+    _run(kernel, x, codes, scales, mins, bits, group, bias, out)
     return out
 
 
@@ -154,22 +153,33 @@ def linear_int8(
         run = lib.kvflow_q_linear_vnni
     x = x.contiguous()
     out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
-    done = run(
-        x.data_ptr(),
-        codes.data_ptr(),
-        scales.data_ptr(),
-        _ptr(mins),
-        _half(scales),
-        bits,
-        group,
-        _ptr(bias),
-        out.data_ptr(),
-        x.shape[0],
-        codes.shape[0],
-        x.shape[1],
-    )
+    done = _run(run, x, codes, scales, mins, bits, group, bias, out)
     if not done:
         raise RuntimeError(f"{kernel} quantized kernel refused K={x.shape[1]}, group={group}")
+    return out
+
+
+def gemm_bf16(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bits: int,
+    group: int,
+    bias: torch.Tensor | None,
+    silu: bool = False,
+) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) -> [M, N], all bf16, on AMX-BF16 tiles with the weight dequantized
+    (as `dequantize` makes it) 32 rows at a time inside the kernel: for batches. `silu`: w is
+    gate | up and the result silu(gate) * up [M, N / 2], rounded as `silu_mul` rounds. Check
+    `amx_available()` first."""
+    lib = library()
+    assert lib is not None and lib.amx and x.dtype == torch.bfloat16
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], codes.shape[0] // (2 if silu else 1), dtype=x.dtype)
+    done = _run(lib.kvflow_q_gemm_amx, x, codes, scales, mins, bits, group, bias, out, int(silu))
+    if not done:
+        raise RuntimeError(f"bf16 AMX kernel refused K={x.shape[1]}, group={group}")
     return out
 
 

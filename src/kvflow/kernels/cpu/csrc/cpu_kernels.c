@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+#include "vector_math.h"
+
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
 static inline v16f load_bf16(const uint16_t *p) {
@@ -70,40 +70,12 @@ static inline uint16_t float_to_bf16(float f) {
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 static inline float hsum(v16f v) {  /* a tree: 4 adds instead of a chain of 15 */
     v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-
-/* e^x for x <= 0 (softmax after subtracting the max): 2^n * 2^f with f in [-0.5, 0.5] and a
- * degree-6 Taylor polynomial of 2^f (relative error < 2e-7); 0 below -87. */
-static inline v16f vexp(v16f x) {
-    v16i below = x < -87.0f; /* lanes: -1 where true */
-    v16i bits;
-    memcpy(&bits, &x, sizeof bits);
-    const float floor_value = -87.0f;
-    int32_t floor_bits;
-    memcpy(&floor_bits, &floor_value, sizeof floor_bits);
-    bits = (bits & ~below) | (floor_bits & below);
-    memcpy(&x, &bits, sizeof x);
-    v16f t = x * 1.44269504088896341f;
-    v16i n = __builtin_convertvector(t - 0.5f, v16i); /* t <= 0: truncation rounds to nearest */
-    v16f f = (t - __builtin_convertvector(n, v16f)) * 0.69314718055994531f;
-    v16f p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 +
-                                                                                  f * (1.0f / 720))))));
-    v16i scale = (n + 127) << 23;
-    v16f s;
-    memcpy(&s, &scale, sizeof s);
-    v16f r = p * s;
-    memcpy(&bits, &r, sizeof bits);
-    bits &= ~below; /* e^x = 0 below -87, as float32 underflows (no denormals) */
-    memcpy(&r, &bits, sizeof r);
-    return r;
 }
 
 /* Linear layer, y[M, N] = x[M, K] @ w[N, K]^T (+ bias), on a weight packed once at load time
@@ -1123,14 +1095,6 @@ static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f))
 /* RMSNorm of T rows of D, as transformers: n = bf16(h * rsqrt(mean(h^2) + eps)), out = bf16(w * n).
  * With `residual`, h = bf16(x + residual) first, and h is written back to `residual` (the
  * residual stream carried between layers). */
-static inline v16f vround_bf16(v16f f) {
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 void kvflow_rms_norm(const uint16_t *x, uint16_t *residual, const uint16_t *w, float eps,
                      uint16_t *out, int T, int D) {
 #pragma omp parallel for schedule(static) if (T >= 16)
@@ -1190,25 +1154,6 @@ void kvflow_rotary(uint16_t *x, int stride, int T, int H, int D, const uint16_t 
     }
 }
 
-/* silu(x) = x * sigmoid(x), with e = e^-|x| <= 1 so no overflow: sigmoid = 1 / (1 + e) for
- * x >= 0, e / (1 + e) below. */
-static inline v16f vsilu(v16f x) {
-    v16i neg = x < 0.0f, bits;
-    memcpy(&bits, &x, sizeof bits);
-    bits |= (v16i){0} + (int32_t)0x80000000; /* -|x|: e^-|x| cannot overflow */
-    v16f e;
-    memcpy(&e, &bits, sizeof e);
-    e = vexp(e);
-    v16i one, num; /* sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below: one division */
-    v16f ones = (v16f){0} + 1.0f;
-    memcpy(&one, &ones, sizeof one);
-    memcpy(&num, &e, sizeof num);
-    num = (num & neg) | (one & ~neg);
-    v16f sig;
-    memcpy(&sig, &num, sizeof sig);
-    return x * (sig / (1.0f + e));
-}
-
 /* out[T, I] = bf16(silu(gate)) * up, rounded, for gate_up [T, 2I] = gate | up per row. */
 void kvflow_silu_mul(const uint16_t *gate_up, uint16_t *out, int T, int I) {
 #pragma omp parallel for schedule(static) if (T >= 4)
@@ -1220,10 +1165,12 @@ void kvflow_silu_mul(const uint16_t *gate_up, uint16_t *out, int T, int I) {
             v16f act = vround_bf16(vsilu(load_bf16(g + i))); /* rounded first, as torch */
             store_bf16(o + i, act * load_bf16(u + i));
         }
-        for (; i < I; i++) {
-            float x = bf16_to_float(g[i]);
-            float act = round_bf16(x / (1.0f + __builtin_expf(-x)));
-            o[i] = float_to_bf16(act * bf16_to_float(u[i]));
+        if (i < I) { /* the tail padded to a vector: the same arithmetic as every column */
+            uint16_t gt[16] = {0}, ut[16] = {0}, ot[16];
+            memcpy(gt, g + i, sizeof(uint16_t) * (I - i));
+            memcpy(ut, u + i, sizeof(uint16_t) * (I - i));
+            store_bf16(ot, vround_bf16(vsilu(load_bf16(gt))) * load_bf16(ut));
+            memcpy(o + i, ot, sizeof(uint16_t) * (I - i));
         }
     }
 }

@@ -6,7 +6,9 @@
  *                        columns (below; returns 0 where the CPU or OS has no AMX)
  *   kvflow_q_linear_vnni the same quantization on AVX512-VNNI dot products: a few rows
  *                        (kvflow_q_vnni_built says whether it was built)
- *   kvflow_q_dequant     w[N, K] -> bf16 (prefill: a large batch runs the bf16 matmul on it)
+ *   kvflow_q_gemm_amx    the same on AMX-BF16 tiles, the weight dequantized to bf16 32 rows at
+ *                        a time inside the kernel (batches); optionally silu(gate) * up
+ *   kvflow_q_dequant     w[N, K] -> bf16 (long prompts: the bf16 matmul runs on it)
  *
  * The weight layout (made once by kvflow/model/quant_format.py from GGUF blocks or a float
  * checkpoint): K is cut in groups of `group` columns (a multiple of 16; K a multiple of 32);
@@ -34,8 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+#include "vector_math.h"
+
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef int8_t v16c __attribute__((vector_size(16)));
@@ -562,7 +564,8 @@ int kvflow_q_vnni_built(void) { return 0; }
 REFUSING_INT8_KERNEL(kvflow_q_linear_vnni)
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BW__) && defined(__AVX512BF16__)
 /* Batches on AMX's int8 unit (kvflow_q_linear_amx). The codes are the tiles (16 weight rows x 32
  * columns; 8-bit codes as stored, 4-bit ones unpacked to a byte each per tile of 16 rows), the
  * activations are quantized to int8 with one float32 scale per activation row and 32 columns
@@ -842,7 +845,165 @@ int kvflow_q_linear_amx(const uint16_t *x, const uint8_t *codes, const void *sca
     free(xs);
     return 1;
 }
+
+/* Batches on AMX's bf16 unit (kvflow_q_gemm_amx): y = x @ w^T on the weight dequantized to bf16
+ * (the values kvflow_q_dequant gives) 32 rows at a time into the thread's buffer, where the tile
+ * unit reads them as they are (weight rows are the A tiles, so dequantizing is one fused
+ * multiply-add and one rounding per 16 values, no re-layout); x is laid out once a call as the B
+ * tiles (pairs of columns, 16 rows a tile). Against the AMX-INT8 kernel this scales each weight
+ * once a call, not once per 16 rows of x, and quantizes no activations; against F.linear on
+ * kvflow_q_dequant's output no bf16 copy of the weight goes to memory. With `silu` (w = gate |
+ * up, N = 2 H) a tile's 16 gate rows and their 16 up rows meet in the epilogue, which makes
+ * silu(gate) * up as kvflow_silu_mul rounds it, so the wide gate | up output never exists. */
+
+/* x [M, K] bf16 -> xv[M / 16][K / 2][16][2]: the pair (k, k + 1) of row 16 c + j at [c][k / 2][j]
+ * (zero rows past M). The threads of the enclosing parallel region take whole chunks. */
+static void pair_rows(const uint16_t *x, int M, int K, uint16_t *xv) {
+    const __m512i across = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(16));
+#pragma omp for schedule(static)
+    for (int c = 0; c < (M + 15) / 16; c++) {
+        int rows = M - c * 16 < 16 ? M - c * 16 : 16;
+        uint32_t pairs[16][16] __attribute__((aligned(64))); /* [row][pair] of 32 columns */
+        if (rows < 16) memset(pairs[rows], 0, sizeof(pairs[0]) * (16 - rows));
+        for (int k = 0; k < K; k += 32) {
+            for (int j = 0; j < rows; j++)
+                memcpy(pairs[j], x + ((long)c * 16 + j) * K + k, 64);
+            for (int p = 0; p < 16; p++)
+                _mm512_storeu_si512(xv + ((long)c * K / 2 + k / 2 + p) * 32,
+                                    _mm512_i32gather_epi32(
+                                        _mm512_add_epi32(across, _mm512_set1_epi32(p)), pairs, 4));
+        }
+    }
+}
+
+/* Weight rows r .. r + rows - 1 (rows <= 16; zero rows after) as bf16 rows of K into `to`, the
+ * scales and mins widened to float32 (`wide`: 2 * 16 * groups floats); the rows of the tile that
+ * follows (`next`, `next_rows`) are asked of the cache meanwhile. */
+static void dequant_rows(const uint8_t *codes, const void *scales, const void *mins, int half,
+                         int bits, int group, int K, long r, int rows, long next, int next_rows,
+                         float *wide, uint16_t *to) {
+    long row_bytes = bits == 4 ? K / 2 : K, groups = K / group;
+    const float *sc = as_float(scales, r * groups, rows * groups, half, wide);
+    const float *mn = as_float(mins, r * groups, rows * groups, half, wide + 16 * groups);
+    for (int j = 0; j < 16; j++) {
+        uint16_t *row = to + (long)j * K;
+        if (j >= rows) {
+            memset(row, 0, (size_t)K * 2);
+            continue;
+        }
+        if (j < next_rows) {
+            const char *at = (const char *)(codes + (next + j) * row_bytes);
+            for (long b = 0; b < row_bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+        }
+        const uint8_t *w = codes + (r + j) * row_bytes;
+        const float *rs = sc + (long)j * groups, *rm = mn + (long)j * groups;
+        for (int c = 0, g0 = 0; c < K; c += 32) { /* as kvflow_q_dequant: the same values */
+            int g1 = group == 16 ? g0 + 1 : g0; /* groups: 16 columns, or 32 and more */
+            v16f lo, hi;
+            codes32(w, bits, c, &lo, &hi);
+            v16f w0 = lo * rs[g0] + rm[g0], w1 = hi * rs[g1] + rm[g1];
+            g0 = group == 16 ? g0 + 2 : (c + 32) / group;
+            _mm512_storeu_si512(row + c, (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0));
+        }
+    }
+}
+
+/* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL), or with `silu` (w = gate | up,
+ * N even) y[M, N / 2] = silu(gate) * up. Needs K a multiple of 32 and of the group; returns 0
+ * (nothing written) when it cannot run. */
+int kvflow_q_gemm_amx(const uint16_t *x, const uint8_t *codes, const void *scales,
+                      const void *mins, int half, int bits, int group, const uint16_t *bias,
+                      uint16_t *y, int M, int N, int K, int silu) {
+    if (!amx_ok || K % 32 || K % group || (silu && N % 2)) return 0;
+    int H = silu ? N / 2 : N, chunks = (M + 15) / 16, groups = K / group;
+    int width = silu ? 16 : 32, tiles = (H + width - 1) / width; /* output columns a tile */
+    uint16_t *xv = aligned_alloc(64, (size_t)chunks * 16 * K * 2);
+    if (xv == NULL) return 0;
+#pragma omp parallel
+    {
+        pair_rows(x, M, K, xv); /* ends in a barrier */
+        struct tile_config cfg = {.palette = 1};
+        for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+        _tile_loadconfig(&cfg);
+        /* two buffers of [2][16][K], alternate tiles: writing the one the tile loads of the last
+         * tile read stalled the stores (a quarter of the kernel's time at 32 rows) */
+        uint16_t *wbufs = aligned_alloc(64, (size_t)64 * K * 2);
+        float *wide = malloc(sizeof(float) * 32 * (size_t)groups);
+        float cbuf[4][16][16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            uint16_t *wbuf = wbufs + (long)(t % 2) * 32 * K;
+            /* the tile's halves: weight rows r[h] .. (rows[h] of them), output columns from n0 */
+            long n0 = (long)t * width, r[2] = {n0, silu ? H + n0 : n0 + 16}, end[2] = {H, N};
+            int rows[2];
+            for (int h = 0; h < 2; h++) {
+                long left = end[h] - r[h], after = left - width; /* rows left, and past the tile */
+                rows[h] = left < 0 ? 0 : left < 16 ? (int)left : 16;
+                int next_rows = t + 1 < tiles && after > 0 ? (after < 16 ? (int)after : 16) : 0;
+                dequant_rows(codes, scales, mins, half, bits, group, K, r[h], rows[h],
+                             r[h] + width, next_rows, wide, wbuf + (long)h * 16 * K);
+            }
+            for (int c = 0; c < chunks; c += 2) {
+                int two = c + 1 < chunks;
+                const uint16_t *b0 = xv + (long)c * 16 * K, *b1 = b0 + (long)16 * K;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int k = 0; k < K; k += 32) {
+                    _tile_loadd(4, wbuf + k, K * 2);
+                    _tile_loadd(5, wbuf + (long)16 * K + k, K * 2);
+                    _tile_loadd(6, b0 + (long)k * 16, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, b1 + (long)k * 16, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, cbuf[0], 64);
+                _tile_stored(1, cbuf[1], 64);
+                if (two) {
+                    _tile_stored(2, cbuf[2], 64);
+                    _tile_stored(3, cbuf[3], 64);
+                }
+                for (int i = 0; i < 1 + two; i++) { /* chunk c + i: tiles 2 i (+ 2 i + 1) */
+                    v16f *lo = (v16f *)cbuf[2 * i], *hi = (v16f *)cbuf[2 * i + 1];
+                    int mrows = M - (c + i) * 16 < 16 ? M - (c + i) * 16 : 16;
+                    uint16_t *yc = y + (long)(c + i) * 16 * H;
+                    if (!silu) {
+                        store_tile(lo, rows[0], mrows, bias, yc, H, (int)n0);
+                        if (rows[1] > 0) store_tile(hi, rows[1], mrows, bias, yc, H, (int)n0 + 16);
+                        continue;
+                    }
+                    for (int j = 0; j < rows[0]; j++) { /* [weight row][x row]: a row's bias */
+                        float bg = bias ? bf16_to_float(bias[n0 + j]) : 0.0f;
+                        float bu = bias ? bf16_to_float(bias[H + n0 + j]) : 0.0f;
+                        v16f act = vround_bf16(vsilu(vround_bf16(lo[j] + bg)));
+                        lo[j] = act * vround_bf16(hi[j] + bu);
+                    }
+                    store_tile(lo, rows[0], mrows, NULL, yc, H, (int)n0);
+                }
+            }
+        }
+        free(wbufs);
+        free(wide);
+        _tile_release();
+    }
+    free(xv);
+    return 1;
+}
 #else
 int kvflow_q_amx_init(void) { return 0; }
 REFUSING_INT8_KERNEL(kvflow_q_linear_amx)
+int kvflow_q_gemm_amx(const uint16_t *x, const uint8_t *codes, const void *scales,
+                      const void *mins, int half, int bits, int group, const uint16_t *bias,
+                      uint16_t *y, int M, int N, int K, int silu) {
+    (void)x, (void)codes, (void)scales, (void)mins, (void)half, (void)bits, (void)group;
+    (void)bias, (void)y, (void)M, (void)N, (void)K, (void)silu;
+    return 0;
+}
 #endif
