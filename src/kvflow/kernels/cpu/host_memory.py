@@ -32,11 +32,8 @@ SETTINGS = {
     M_TOP_PAD: 64 << 20,
     M_TRIM_THRESHOLD: 1 << 30,
 }
-ENVIRONMENT = (
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TOP_PAD_",
-    "MALLOC_TRIM_THRESHOLD_",
-)  # the same, as env variables
+# the same, as env variables
+ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def _user_set() -> bool:
