@@ -166,7 +166,7 @@ def test_int8_kernels_keep_non_finite_rows_non_finite(kind: str, kernel: str) ->
 @needs_native
 def test_routing_by_rows() -> None:
     """bf16 rows take: VNNI up to its limit (by code bits beside AMX, else MAX_KERNEL_ROWS),
-    then AMX-INT8 up to MAX_AMX_ROWS and AMX-BF16 ("gemm") up to MAX_GEMM_ROWS, the float32
+    then AMX-INT8 up to AMX_ROWS[bits] and AMX-BF16 ("gemm") up to MAX_GEMM_ROWS, the float32
     kernel where neither runs (up to its limit), and beyond every limit the dequantized bf16
     matmul. Each route gives that kernel's exact output."""
     q4 = from_gguf_blocks(gguf_tensor("Q4_1", 20, 64), "Q4_1", 64)
@@ -178,14 +178,14 @@ def test_routing_by_rows() -> None:
     def expect(bits: int, rows: int) -> str:
         if vnni and rows <= (quant_kernels.VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
             return "vnni"
-        if amx and rows <= quant_kernels.MAX_AMX_ROWS:
+        if amx and rows <= quant_kernels.AMX_ROWS[bits]:
             return "amx"
         if amx and rows <= quant_kernels.MAX_GEMM_ROWS:
             return "gemm"
         return "float" if rows <= MAX_KERNEL_ROWS else "dequant"
 
     cases = [(q4, 1), (q4, 2), (q4, 5), (q8, 1), (q8, 2), (q8, MAX_KERNEL_ROWS + 1), (q4, large)]
-    cases.append((q4, quant_kernels.MAX_AMX_ROWS + 1))
+    cases += [(q4, quant_kernels.AMX_ROWS[4] + 1), (q8, quant_kernels.AMX_ROWS[8] + 1)]
     for weight, rows in cases:
         route = expect(weight.bits, rows)
         assert quant_kernels.route(rows, weight, torch.bfloat16) == route, (weight.bits, rows)
@@ -237,15 +237,16 @@ def test_gemm_kernel_matches_float64_matmul(kind: str) -> None:
 def test_gemm_silu_epilogue_is_silu_mul(kind: str) -> None:
     """gate | up through the AMX-BF16 kernel with the SiLU epilogue equals `silu_mul` of the
     kernel's plain output bit for bit (bias or none; gate and up 8 and 24 rows: a half tile,
-    and one crossing a tile), as an MLP's step takes it (`gated_linear`), and the routing
-    gives it only to the rows "gemm" takes."""
+    and one crossing a tile; rows past AMX-INT8's limit, crossing 16-row chunks), as an MLP's
+    step takes it (`gated_linear`), and the routing gives it only to the rows "gemm" takes."""
     from kvflow.kernels.select import fused_ops
 
     cols = 256
     for half in (8, 24):
         weight = from_gguf_blocks(gguf_tensor(kind, 2 * half, cols, seed=half), kind, cols)
         bias = torch.randn(2 * half).bfloat16()
-        for m, b in ((17, None), (33, bias), (40, None)):
+        low = quant_kernels.AMX_ROWS[weight.bits]  # below: AMX-INT8 takes the rows
+        for m, b in ((low + 1, None), (low + 17, bias), (low + 24, None)):
             x = torch.randn(m, cols).bfloat16()
             plain = quant_kernels.kernel_linear(x, weight, b, "gemm")
             made = quant_kernels.gated_linear(x, weight, b)
@@ -253,7 +254,7 @@ def test_gemm_silu_epilogue_is_silu_mul(kind: str) -> None:
             # NaN where both are (random K-quant blocks reach inf; inf * 0 in silu(gate) * up)
             expected = fused_ops(plain).silu_mul(plain)
             torch.testing.assert_close(made, expected, rtol=0, atol=0, equal_nan=True)
-    small = torch.randn(quant_kernels.MAX_AMX_ROWS, cols).bfloat16()
+    small = torch.randn(quant_kernels.AMX_ROWS[weight.bits], cols).bfloat16()
     assert quant_kernels.gated_linear(small, weight, None) is None
 
 

@@ -127,10 +127,10 @@ def embedded_f32() -> Run:
 @pytest.mark.parametrize("route", ["amx", "gemm", "vnni"])
 def test_embedded_gguf_served_quantized(embedded_f32: Run, route: str) -> None:
     """`--quantization gguf`: the GGUF's blocks as stored, bf16 activations, steps of at most
-    MAX_AMX_ROWS tokens (AMX-INT8's rows where it runs), 4 x MAX_AMX_ROWS (AMX-BF16's, for the
+    AMX_ROWS[4] tokens (AMX-INT8's rows where it runs), 4 x AMX_ROWS[4] (AMX-BF16's, for the
     prompts) or VNNI_ROWS[4] (the VNNI kernel's, as a lone request's decode steps take): every
     prompt row through that kernel, not the dequantized layers a long prompt takes."""
-    chunk = {"amx": quant_kernels.MAX_AMX_ROWS, "gemm": 4 * quant_kernels.MAX_AMX_ROWS}.get(
+    chunk = {"amx": quant_kernels.AMX_ROWS[4], "gemm": 4 * quant_kernels.AMX_ROWS[4]}.get(
         route, quant_kernels.VNNI_ROWS[4]
     )
     weight = from_gguf_blocks(np.zeros((1, 20 * 2), np.uint8), "Q4_1", 64)

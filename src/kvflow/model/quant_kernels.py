@@ -3,7 +3,7 @@ quantized embedding lookup. The CPU kernels themselves are kvflow.kernels.cpu.qu
 
 For bf16 activations (`route`): a few rows (decode) take the AVX512-VNNI kernel, up to
 `VNNI_ROWS[bits]` where AMX is beside it and up to `MAX_KERNEL_ROWS` where it is not; more rows,
-up to `MAX_AMX_ROWS`, take the AMX-INT8 kernel (both quantize the activations to int8 per 32
+up to `AMX_ROWS[bits]`, take the AMX-INT8 kernel (both quantize the activations to int8 per 32
 columns); more, up to `MAX_GEMM_ROWS`, AMX's bf16 tiles on the weight dequantized inside the
 kernel ("gemm", which also makes an MLP's silu(gate) * up in its epilogue: `gated_linear`).
 Without AMX, the float32 kernel (codes widened in registers) takes up to `MAX_KERNEL_ROWS` rows,
@@ -24,7 +24,7 @@ from kvflow.model.fp8_linear import Fp8Weight, fp8_linear
 from kvflow.model.quant_format import QuantizedWeight
 
 MAX_KERNEL_ROWS = 16  # rows the float32 and VNNI kernels take without AMX
-MAX_AMX_ROWS = 16  # rows the AMX-INT8 kernel takes; more: the bf16 one ("gemm")
+AMX_ROWS = {4: 16, 8: 64}  # rows the AMX-INT8 kernel takes, by code bits; more: "gemm"
 MAX_GEMM_ROWS = 1024  # rows the AMX-BF16 kernel takes; more: dequantize, then oneDNN's matmul
 VNNI_ROWS = {4: 4, 8: 1}  # rows the VNNI kernel takes beside AMX, by code bits
 
@@ -49,7 +49,7 @@ def _route(rows: int, bits: int, group: int, dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16 and quant.vnni_available() and quant.vnni_takes(bits, group):
         if rows <= (VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
             return "vnni"
-    if amx and rows <= MAX_AMX_ROWS:
+    if amx and rows <= AMX_ROWS[bits]:
         return "amx"
     if amx and rows <= MAX_GEMM_ROWS:
         return "gemm"
