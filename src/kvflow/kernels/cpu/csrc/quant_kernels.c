@@ -919,22 +919,28 @@ int kvflow_q_gemm_amx(const uint16_t *x, const uint8_t *codes, const void *scale
     if (!amx_ok || K % 32 || K % group || (silu && N % 2)) return 0;
     int H = silu ? N / 2 : N, chunks = (M + 15) / 16, groups = K / group;
     int width = silu ? 16 : 32, tiles = (H + width - 1) / width; /* output columns a tile */
+    int threads = omp_get_max_threads();
+    /* a thread's two weight buffers of [2][16][K], alternate tiles (writing the one the last
+     * tile's loads read stalled the stores: a quarter of the kernel's time at 32 rows), and its
+     * scales and mins as float32 */
     uint16_t *xv = aligned_alloc(64, (size_t)chunks * 16 * K * 2);
-    if (xv == NULL) return 0;
-#pragma omp parallel
+    uint16_t *wbufs = aligned_alloc(64, (size_t)threads * 64 * K * 2);
+    float *wides = malloc(sizeof(float) * 32 * (size_t)groups * threads);
+    if (xv == NULL || wbufs == NULL || wides == NULL)
+        return free(xv), free(wbufs), free(wides), 0;
+#pragma omp parallel num_threads(threads)
     {
         pair_rows(x, M, K, xv); /* ends in a barrier */
         struct tile_config cfg = {.palette = 1};
         for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
         _tile_loadconfig(&cfg);
-        /* two buffers of [2][16][K], alternate tiles: writing the one the tile loads of the last
-         * tile read stalled the stores (a quarter of the kernel's time at 32 rows) */
-        uint16_t *wbufs = aligned_alloc(64, (size_t)64 * K * 2);
-        float *wide = malloc(sizeof(float) * 32 * (size_t)groups);
+        int me = omp_get_thread_num();
+        uint16_t *mine = wbufs + (long)me * 64 * K;
+        float *wide = wides + (long)me * 32 * groups;
         float cbuf[4][16][16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
-            uint16_t *wbuf = wbufs + (long)(t % 2) * 32 * K;
+            uint16_t *wbuf = mine + (long)(t % 2) * 32 * K;
             /* the tile's halves: weight rows r[h] .. (rows[h] of them), output columns from n0 */
             long n0 = (long)t * width, r[2] = {n0, silu ? H + n0 : n0 + 16}, end[2] = {H, N};
             int rows[2];
@@ -989,11 +995,11 @@ int kvflow_q_gemm_amx(const uint16_t *x, const uint8_t *codes, const void *scale
                 }
             }
         }
-        free(wbufs);
-        free(wide);
         _tile_release();
     }
     free(xv);
+    free(wbufs);
+    free(wides);
     return 1;
 }
 #else
