@@ -57,16 +57,20 @@ def _route(rows: int, bits: int, group: int, dtype: torch.dtype) -> str:
 
 
 def kernel_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: str = "float"
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None,
+    kernel: str = "float",
+    silu: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) -> [M, N] by a native kernel reading the codes in place:
     "float" (x, bias and the result all bf16 or all float32), "amx", "gemm" or "vnni" (bf16;
-    check `route` first)."""
+    check `route` first). `silu` ("gemm" only): weight is gate | up, the result silu(gate) * up."""
     parts = (weight.codes, weight.scales)
     if kernel == "float":
         return quant.linear(x, *parts, weight.mins, weight.bits, weight.group, bias)
     if kernel == "gemm":
-        return quant.gemm_bf16(x, *parts, weight.mins, weight.bits, weight.group, bias)
+        return quant.gemm_bf16(x, *parts, weight.mins, weight.bits, weight.group, bias, silu)
     mins = weight.mins if weight.has_mins else None
     return quant.linear_int8(kernel, x, *parts, mins, weight.bits, weight.group, bias)
 
@@ -108,8 +112,7 @@ def gated_linear(
     if not isinstance(weight, QuantizedWeight) or route(x.shape[0], weight, x.dtype) != "gemm":
         return None
     bias = None if bias is None else bias.to(x.dtype)
-    parts = (weight.codes, weight.scales, weight.mins, weight.bits, weight.group)
-    return quant.gemm_bf16(x, *parts, bias, silu=True)
+    return kernel_linear(x, weight, bias, "gemm", silu=True)
 
 
 def embedding(ids: torch.Tensor, weight: Quantized, dtype: torch.dtype) -> torch.Tensor:
