@@ -211,11 +211,12 @@ def test_gemm_kernel_matches_float64_matmul(kind: str) -> None:
     """The AMX-BF16 kernel ("gemm"): its weights are `dequantize`'s bf16 values exactly (x the
     identity: y = w.T, each output one product), and its sums within one float32 rounding per
     product of the float64 matmul of those values, rounded once to bf16; weight rows crossing
-    its 16-row halves and 32-row tiles (1, 17, 33, 40), activation rows crossing its 16-row
-    chunks and their pairs (1, 17, 33, 47), a 32-column tail (544), with and without a bias."""
+    its 16-row halves and 32-row tiles (1, 17, 33, 40; 200: several tiles a thread, each
+    thread's weight buffers alternating), activation rows crossing its 16-row chunks and their
+    pairs (1, 17, 33, 47), a 32-column tail (544), with and without a bias."""
     torch.manual_seed(0)
     for cols in (256, 768) if kind in SUPER else (32, 544):
-        for rows in (1, 17, 33, 40):
+        for rows in (1, 17, 33, 40, 200):
             weight = from_gguf_blocks(gguf_tensor(kind, rows, cols, seed=rows), kind, cols)
             wb = quant_kernels.dequantize(weight, torch.bfloat16)
             eye = torch.eye(cols).bfloat16()
