@@ -17,5 +17,6 @@ done
     "${PLATFORMS[@]}" -d .whl \
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 \
     annotated-types==0.8.0 typing-inspection==0.4.5 msgspec==0.23.0 pyzmq==27.3.0 \
-    gguf==0.19.0 partial-json-parser==0.2.1.1.post7 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+    gguf==0.19.0 partial-json-parser==0.2.1.1.post7 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 \
+    opentelemetry-api==1.45.2 typing-extensions==4.16.0  # fastapi imports opentelemetry
 ls .whl

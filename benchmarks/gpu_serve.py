@@ -27,7 +27,6 @@ import argparse
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check as gc_  # noqa: E402  (sets up sys.path for kvflow, imports torch)
 import torch  # noqa: E402
+from gpu_liveness import end_under_load  # noqa: E402
 from serve_host import children, free_port, proc_cpu  # noqa: E402
 
 from kvflow import LLM, SamplingParams  # noqa: E402
@@ -56,6 +56,10 @@ LLAMA_8B = dict(
 # Offline engine and server each take this share of the card (256 x 256 tokens of KV fit with
 # room to spare), so that neither depends on what the other left behind in this process.
 MEMORY = {"gpu_memory_utilization": 0.4} if torch.cuda.is_available() else {}
+# src/ first, then the caller's path (a card run's carried wheels are there)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+# how each served model's server ends, in FULL_SHAPES' order (gpu_liveness.py)
+ENDINGS = ("sigterm", "engine_killed")
 SMOKE_8B = dict(gc_.SMOKE_SHAPES["llama-1b-shape"], hidden_size=256, head_dim=32)
 
 
@@ -99,7 +103,7 @@ def start_server(path: Path, device: str, max_seqs: int, log_path: Path):
         cmd += ["--num-blocks", "512"]
     else:
         cmd += ["--gpu-memory-utilization", str(MEMORY["gpu_memory_utilization"])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "KVFLOW_ENGINE_PROCESS": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "KVFLOW_ENGINE_PROCESS": "1"}
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
@@ -122,12 +126,14 @@ def bench_serve(port: int, c: int, prompt_len: int, new: int, out: Path, tokeniz
     cmd += ["--num-prompts", str(max(2 * c, 8)), "--max-concurrency", str(c)]
     cmd += ["--num-warmups", str(min(c, 8)), "--result-file", str(out)]
     cmd += ["--tokenizer", str(tokenizer)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=600)
     return json.loads(out.read_text())
 
 
-def served(name: str, path: Path, args, workdir: Path, entry: dict, save) -> None:
+def served(name: str, path: Path, args, workdir: Path, entry: dict, save, ending: str) -> None:
+    """The levels of `kvflow bench serve` on one server, which then ends under load as `ending`
+    says (gpu_liveness.py): the server's last act is the liveness trial."""
     proc, port = start_server(path, args.device, max(args.levels), workdir / f"{name}.log")
     try:
         pids = {"api": proc.pid, "engine": children(proc.pid)[0]}
@@ -148,14 +154,19 @@ def served(name: str, path: Path, args, workdir: Path, entry: dict, save) -> Non
             entry["served"].append(row)
             log(f"{name} served c={c}: {row}")
             save()
+        clients, max_tokens = (4, 1500) if args.smoke else (64, 4096)
+        entry["liveness"] = end_under_load(proc, port, pids["engine"], ending, clients, max_tokens)
+        log(f"{name} liveness: {entry['liveness']}")
+        save()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
 
 
 def section_served(args, workdir: Path, report: dict, save) -> None:
     shapes = gc_.SMOKE_SHAPES if args.smoke else gc_.FULL_SHAPES
-    for name, shape in shapes.items():
+    for index, (name, shape) in enumerate(shapes.items()):
         if args.models and name not in args.models.split(","):
             continue
         path = workdir / name
@@ -166,37 +177,67 @@ def section_served(args, workdir: Path, report: dict, save) -> None:
         entry["offline_tok_s"] = offline_tps(path, args.device, batch, args.prompt_len, args.new)
         log(f"{name} offline batch {batch}: {entry['offline_tok_s']:,.0f} tok/s")
         save()
-        served(name, path, args, workdir, entry, save)
+        served(name, path, args, workdir, entry, save, ENDINGS[index % len(ENDINGS)])
         top = entry["served"][-1]["tok_s"]
         entry["served_over_offline"] = top / entry["offline_tok_s"]
-        entry["ok"] = args.smoke or entry["served_over_offline"] >= 0.8
+        target = args.smoke or entry["served_over_offline"] >= 0.8
+        entry["ok"] = bool(target and entry["liveness"]["ok"])
         save()
 
 
 def section_8b(args, workdir: Path, report: dict, save) -> None:
+    """The 8B shape's decode step in bfloat16 against its floor, then with its weights quantized
+    (fp8 on a card; int8, the CPU's method, in a dry run): the step's speed-up at each batch and
+    greedy agreement with bfloat16 over 8 prompts x 32 tokens."""
     path = workdir / "llama-8b-shape"
     build(SMOKE_8B if args.smoke else LLAMA_8B, path, args.device)
-    llm = LLM(str(path), dtype="bfloat16", device=args.device, max_num_seqs=64, **MEMORY)
-    runner = llm.engine.core.runner
-    bandwidth = gc_.copy_bandwidth(args.device, args.smoke)
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    per_token_kv = sum(c[:, 0, 0].numel() * c.element_size() for c in runner.kv_caches)
     prompt_len, warm, steps = (8, 1, 3) if args.smoke else (128, 3, 20)
+    batches = (1, 4) if args.smoke else (1, 64)
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(16)] for i in range(8)]
+    greedy: dict[str, list] = {}
     rows = report["llama_8b"] = []
-    for batch in (1, 4) if args.smoke else (1, 64):
-        step_ms, runner_ms, other, device_ms = gc_.engine_decode_ms(
-            llm, batch, prompt_len, warm, steps, seed=batch
-        )
-        kv = batch * (prompt_len + warm + steps // 2) * per_token_kv
-        floor_ms = 1e3 * (weight_bytes + kv) / bandwidth  # as gpu_check.py counts it
-        row = dict(batch=batch, step_ms=step_ms, runner_ms=runner_ms, device_ms=device_ms)
-        row.update(floor_ms=floor_ms, over_floor=step_ms / floor_ms, other_steps=other)
-        rows.append(row)
-        log(f"8B shape decode batch {batch}: {row}")
-        save()
-    report["copy_bandwidth_gbs"] = bandwidth / 1e9
-    del llm
-    free_device()
+    quantized = report["llama_8b_quantized"] = {
+        "method": "fp8" if args.device == "cuda" else "int8",
+        "rows": [],
+    }
+    for method in ("none", quantized["method"]):
+        t0 = time.monotonic()
+        llm = LLM(str(path), dtype="bfloat16", device=args.device, max_num_seqs=64,
+                  quantization=method, **MEMORY)  # fmt: skip
+        load_s = time.monotonic() - t0
+        runner = llm.engine.core.runner
+        if method == "none":
+            bandwidth = gc_.copy_bandwidth(args.device, args.smoke)
+            report["copy_bandwidth_gbs"] = bandwidth / 1e9
+            weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+            per_token_kv = sum(c[:, 0, 0].numel() * c.element_size() for c in runner.kv_caches)
+            report["llama_8b_load_s"] = load_s
+        else:
+            quantized["load_s"] = load_s
+        for batch in batches:
+            step_ms, runner_ms, other, device_ms = gc_.engine_decode_ms(
+                llm, batch, prompt_len, warm, steps, seed=batch
+            )
+            row = dict(batch=batch, step_ms=step_ms, runner_ms=runner_ms, device_ms=device_ms)
+            row["other_steps"] = other
+            if method == "none":
+                kv = batch * (prompt_len + warm + steps // 2) * per_token_kv
+                row["floor_ms"] = 1e3 * (weight_bytes + kv) / bandwidth  # as gpu_check counts
+                row["over_floor"] = step_ms / row["floor_ms"]
+                rows.append(row)
+            else:
+                (bf16,) = [r for r in rows if r["batch"] == batch]
+                row["speedup_over_bf16"] = bf16["step_ms"] / step_ms
+                quantized["rows"].append(row)
+            log(f"8B shape {method} decode batch {batch}: {row}")
+            save()
+        greedy[method] = gc_.kvflow_greedy(llm, prompts, 32)
+        del llm, runner
+        free_device()
+    pairs = zip(greedy[quantized["method"]], greedy["none"], strict=True)
+    same = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
+    quantized["greedy_agreement"] = same / sum(len(t) for t in greedy["none"])
+    save()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +291,24 @@ def table(report: dict) -> str:
             f"\n8B shape batch {r['batch']}: {r['step_ms']:.2f} ms/step, floor "
             f"{r['floor_ms']:.2f} ms, {r['over_floor']:.2f}x"
         )
+    quantized = report.get("llama_8b_quantized", {})
+    for r in quantized.get("rows", []):
+        lines.append(
+            f"\n8B shape {quantized['method']} batch {r['batch']}: {r['step_ms']:.2f} ms/step, "
+            f"{r['speedup_over_bf16']:.2f}x bf16's step"
+        )
+    if "greedy_agreement" in quantized:
+        lines.append(
+            f"\n{quantized['method']} greedy agreement: {quantized['greedy_agreement']:.3f}"
+        )
+    for e in report["served"]:
+        if "liveness" in e:
+            live = e["liveness"]
+            lines.append(
+                f"\n{e['model']} ended by {live['how']}: exit {live['exit_code']} after "
+                f"{live['exit_s']:.2f} s, answers {live['answers']}, "
+                f"{'PASS' if live['ok'] else 'FAIL'}"
+            )
     return "\n".join(lines)
 
 
