@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from support.serverproc import PLACEMENTS, placement_env
+
 # Engines and servers the tests start take this instead of the 4 GiB default: zeroing 4 GiB for
 # every engine cost the suite seconds each, and no test needs more (tests of the default unset it).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -33,3 +35,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(params=PLACEMENTS)
+def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the engine loop of every real server the test starts runs: a thread of the API
+    server, or the engine core process. A test that uses it runs once in each; one marked
+    `placement("process")` runs in that placement only."""
+    only = request.node.get_closest_marker("placement")
+    if only is not None and request.param not in only.args:
+        pytest.skip(f"a {only.args[0]} placement test")
+    for name, value in placement_env(request.param).items():
+        monkeypatch.setenv(name, value)
+    return request.param

@@ -153,7 +153,7 @@ def test_every_request_finishes_within_the_bound_and_nothing_leaks(workload):
                 live[rid] = Request(
                     rid, list(prompt), max_tokens, eos_token_id=2, grammar_pending=bool(spec)
                 )
-                engine.add_request(live[rid])
+                engine.scheduler.add_request(live[rid])
                 if spec is not None:
                     compile_at[rid] = step + spec[1]
             if compile_at.get(rid) == step and rid not in finished:

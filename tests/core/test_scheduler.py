@@ -35,7 +35,7 @@ both_modes = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 
 def add(engine, rid, prompt_len, max_tokens=4, start=0, **kw):
     req = Request(rid, list(range(start, start + prompt_len)), max_tokens, eos_token_id=2, **kw)
-    engine.add_request(req)
+    engine.scheduler.add_request(req)
     return req
 
 

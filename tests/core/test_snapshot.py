@@ -17,7 +17,9 @@ def make_engine(num_blocks=32, block_size=4, budget=64, max_seqs=8, max_model_le
 
 
 def add(engine, rid, prompt, max_tokens=4):
-    engine.add_request(Request(rid, list(prompt), max_tokens, eos_token_id=2, ignore_eos=True))
+    engine.scheduler.add_request(
+        Request(rid, list(prompt), max_tokens, eos_token_id=2, ignore_eos=True)
+    )
 
 
 def run_to_end(engine) -> None:

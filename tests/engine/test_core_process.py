@@ -1,9 +1,9 @@
-"""The engine core in its own process, driven through ProcessEngine without HTTP: outputs
-match the in-process engine's, a stop string found on the API side ends the request in the
-core, aborts free blocks, a utility call returns typed plain data, an unknown method is a clear
-error, output constraints compile and apply in the engine process, and Shutdown ends the
-process with status 0. One engine process for the module (the
-real embedded model; greedy)."""
+"""The server's front end (AsyncEngine) without HTTP, in both placements of its engine loop (a
+thread of this process, the engine core process): outputs match the offline engine's, a stop
+string found on the API side ends the request in the core, aborts free blocks, a utility call
+returns typed plain data, an unknown method is a clear error, output constraints compile and
+apply where the loop runs, and Shutdown ends the loop (the engine process with status 0). The
+real embedded model, greedy; one engine process for the module's process placement."""
 
 from __future__ import annotations
 
@@ -14,49 +14,40 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvflow.engine.core_client import ProcessEngine, RemoteCore
-from kvflow.engine.core_launch import frontend, launch_engine, load_frontend_tokenizer
+from kvflow.engine.async_llm import AsyncEngine, EngineUnavailableError
 from kvflow.engine.engine_core import EngineStats
 from kvflow.engine.llm_engine import EngineArgs
-from kvflow.model.loader import resolve_model
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from support.placements import PLACEMENTS, engine_loops, front_end
 
 ARGS = dict(dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8)
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def process() -> Iterator:
-    proc, _ = launch_engine(EngineArgs(**ARGS))
-    try:
-        yield proc
-    finally:
-        if proc.proc is not None and proc.proc.poll() is None:
-            proc.proc.kill()
-            proc.proc.wait()
+@pytest.fixture(scope="module", params=PLACEMENTS)
+def placement(request) -> Iterator[tuple[str, object]]:
+    with engine_loops(request.param, EngineArgs(**ARGS)) as shared:
+        yield request.param, shared
 
 
-def run(process, scenario, **kwargs):
-    """Run `scenario(engine)` on a fresh event loop with a client that does not stop the
-    process (the module shares it)."""
-    engine = frontend(
-        process.ready, RemoteCore(), load_frontend_tokenizer(process.ready.model_path, None)
-    )
+def run(placement, scenario, **kwargs):
+    """Run `scenario(engine)` on a fresh event loop with a front end that does not stop a
+    shared engine process."""
 
     async def main():
-        client = ProcessEngine(engine, process, owns_process=False, **kwargs)
-        client.start()
+        engine = front_end(*placement, **kwargs)
+        engine.start()
         try:
-            return await scenario(client)
+            return await scenario(engine)
         finally:
-            await client.shutdown(0)
-            client.close()
+            await engine.shutdown(0)
+            engine.close()
 
     return asyncio.run(main())
 
 
-async def collect(client: ProcessEngine, rid: str, prompt: str, params: SamplingParams):
-    ids = client.engine.tokenize_prompt(prompt)
+async def collect(client: AsyncEngine, rid: str, prompt: str, params: SamplingParams):
+    ids = client.tokenize_prompt(prompt)
     text, finish = "", None
     async for out in client.generate(rid, ids, params):
         text += out.outputs[0].text
@@ -64,7 +55,7 @@ async def collect(client: ProcessEngine, rid: str, prompt: str, params: Sampling
     return text, finish
 
 
-def test_outputs_match_the_in_process_engine(process) -> None:
+def test_outputs_match_the_offline_engine(placement) -> None:
     from kvflow.engine.llm import LLM
 
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -72,19 +63,19 @@ def test_outputs_match_the_in_process_engine(process) -> None:
     async def scenario(client):
         return await asyncio.gather(*(collect(client, f"r{i}", PROMPT, params) for i in range(3)))
 
-    remote = run(process, scenario)
+    remote = run(placement, scenario)
     local = LLM(**ARGS).generate([PROMPT], params)[0].outputs[0]
     assert [r[0] for r in remote] == [local.text] * 3
     assert {r[1] for r in remote} == {"length"}
 
 
-def test_stop_string_abort_and_utility(process) -> None:
+def test_stop_string_abort_and_utility(placement) -> None:
     async def scenario(client):
         stopped = await collect(
             client, "s", PROMPT, SamplingParams(temperature=0, max_tokens=40, stop=["Paris"])
         )
         long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        stream = client.add_request("a", client.engine.tokenize_prompt(PROMPT), long)
+        stream = client.add_request("a", client.tokenize_prompt(PROMPT), long)
         first = await stream.__anext__()
         client.abort("a")
         rest = [out async for out in stream]
@@ -95,7 +86,7 @@ def test_stop_string_abort_and_utility(process) -> None:
         loop_stats = await client.call_utility("loop_stats")
         return stopped, first, rest, stats, loop_stats
 
-    stopped, first, rest, stats, loop_stats = run(process, scenario)
+    stopped, first, rest, stats, loop_stats = run(placement, scenario)
     assert stopped == (" ", "stop")
     assert not first.finished and rest[-1].finished
     assert rest[-1].outputs[0].finish_reason == "abort"
@@ -114,7 +105,7 @@ class Recorder:
         self.passes.append(stats)
 
 
-def test_output_constraints_compile_in_the_engine_process(process) -> None:
+def test_output_constraints_compile_in_the_engine_process(placement) -> None:
     """The API side parses a constraint (a bad one is a ValueError before anything is sent);
     the engine process compiles it and masks the logits: outputs follow the constraint, n > 1
     included, as the in-process engine's do, and each compile time comes back for the metrics."""
@@ -135,12 +126,12 @@ def test_output_constraints_compile_in_the_engine_process(process) -> None:
         choice_params = SamplingParams(
             temperature=0.8, seed=3, n=3, max_tokens=8, structured_outputs=choice_so
         )
-        ids = client.engine.tokenize_prompt(PROMPT)
+        ids = client.tokenize_prompt(PROMPT)
         text = await collect(client, "j", PROMPT, json_params)
         outs = [o async for o in client.generate("c", ids, choice_params)]
         return text, outs
 
-    (text, finish), outs = run(process, scenario, stat_logger=recorder)
+    (text, finish), outs = run(placement, scenario, stat_logger=recorder)
     assert finish == "stop" and list(json.loads(text)) == ["city"], text
     choices: dict[int, str] = {}
     for out in outs:
@@ -152,39 +143,37 @@ def test_output_constraints_compile_in_the_engine_process(process) -> None:
     assert sum(stats.num_grammar_failures for stats in recorder.passes) == 0
 
 
-def test_queue_limit_counts_adds_the_engine_has_not_taken(process) -> None:
+def test_queue_limit_counts_adds_the_engine_has_not_taken(placement) -> None:
     async def scenario(client):
         params = SamplingParams(temperature=0, max_tokens=2)
-        ids = client.engine.tokenize_prompt(PROMPT)
+        ids = client.tokenize_prompt(PROMPT)
         streams = [client.add_request(f"q{i}", ids, params) for i in range(8)]
         streams.append(client.add_request("q8", ids, params))  # waits: one over
-        from kvflow.engine.engine_client import EngineUnavailableError
-
         with pytest.raises(EngineUnavailableError, match="queue is full"):
             client.add_request("q9", ids, params)
         return [[o async for o in s][-1].outputs[0].finish_reason for s in streams]
 
-    assert run(process, scenario, max_num_queued_reqs=1) == ["length"] * 9
+    assert run(placement, scenario, max_num_queued_reqs=1) == ["length"] * 9
 
 
-def test_shutdown_stops_the_process_with_status_0() -> None:
-    proc, tokenizer = launch_engine(
-        EngineArgs(**ARGS), meanwhile=lambda: load_frontend_tokenizer(resolve_model(None), None)
-    )
-    engine = frontend(proc.ready, RemoteCore(), tokenizer)
+@pytest.mark.parametrize("where", PLACEMENTS)
+def test_shutdown_ends_the_loop_and_the_engine_process_with_status_0(where) -> None:
+    with engine_loops(where, EngineArgs(**ARGS)) as shared:
 
-    async def main():
-        client = ProcessEngine(engine, proc)
-        client.start()
-        ids = engine.tokenize_prompt(PROMPT)
-        stream = client.add_request("x", ids, SamplingParams(max_tokens=500, ignore_eos=True))
-        await stream.__anext__()
-        await client.shutdown(0)
-        outs = [o async for o in stream]
-        client.close()
-        return outs
+        async def main():
+            engine = front_end(where, shared, owner=True)
+            engine.start()
+            ids = engine.tokenize_prompt(PROMPT)
+            stream = engine.add_request("x", ids, SamplingParams(max_tokens=500, ignore_eos=True))
+            await stream.__anext__()
+            await engine.shutdown(0)
+            outs = [o async for o in stream]
+            engine.close()
+            return outs, engine.threads_alive()
 
-    outs = asyncio.run(main())
-    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-    assert proc.proc.wait(10) == 0
-    assert not os.path.exists(f"/proc/{proc.pid}")
+        outs, alive = asyncio.run(main())
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert not alive
+        if where == "process":
+            assert shared.proc.wait(10) == 0
+            assert not os.path.exists(f"/proc/{shared.pid}")

@@ -54,7 +54,7 @@ def run_workload(engine: EngineCore, seed: int, num_requests: int = 60) -> None:
     while pending or engine.has_unfinished_requests():
         for _ in range(rng.randrange(0, 3)):
             if pending:
-                engine.add_request(pending.pop(0))
+                engine.scheduler.add_request(pending.pop(0))
         if step % 7 == 3 and engine.scheduler.running:
             engine.abort_requests([engine.scheduler.running[-1].request_id])
         engine.step()

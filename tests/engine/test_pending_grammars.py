@@ -38,8 +38,8 @@ class ControlledBackend:
 def _engine():
     engine, runner = make_llm_engine()
     runner.delay = 0.0
-    engine.grammar = ControlledBackend()
-    return engine, engine.grammar
+    engine.validator = engine.core.grammar = ControlledBackend()
+    return engine, engine.validator
 
 
 def _params(regex: str | None = None, max_tokens: int = 5) -> SamplingParams:
@@ -68,13 +68,13 @@ def test_a_compiling_request_waits_aside_then_runs_to_its_grammar_end() -> None:
     engine.add_request("free", [5, 6, 7], _params())
     finished = _run(engine, 8)
     assert "free" in finished and "constrained" not in finished
-    assert engine.stats().num_waiting == 1
+    assert engine.core.stats().num_waiting == 1
     backend.finish("a")
     finished = _run(engine, 8)
     reason, tokens = finished["constrained"]
     assert reason == "stop"  # the grammar ended after 3 tokens
     assert len(tokens) == 3 and set(tokens) <= set(GRAMMAR.allowed)
-    assert engine.pending_grammars.take_compile_times()  # one per request
+    assert engine.core.pending_grammars.take_compile_times()  # one per request
     assert not engine.has_unfinished_requests()
 
 
@@ -86,7 +86,7 @@ def test_a_failed_compile_fails_that_request_alone() -> None:
     finished = _run(engine, 8)
     assert finished["doomed"][0] == "error"
     assert finished["free"][0] == "length"
-    assert engine.num_grammar_failures() == 1
+    assert engine.core.num_grammar_failures() == 1
 
 
 def test_a_constraint_that_does_not_parse_is_refused_before_queueing() -> None:
@@ -109,6 +109,6 @@ def test_an_engine_with_only_compiling_requests_waits_instead_of_spinning() -> N
         engine.step()
         steps += 1
     assert steps <= 10, f"{steps} steps in 0.3 s with nothing to run"
-    assert engine.stats().num_stuck_failures == 0 and engine.has_unfinished_requests()
+    assert engine.core.stats().num_stuck_failures == 0 and engine.has_unfinished_requests()
     engine.abort_request(["slow"])
     assert not engine.has_unfinished_requests()

@@ -15,14 +15,16 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from support.live import geometry, serving, sse_lines, start
 from support.serverproc import ServerProcess, in_background, wait_for
 
+pytestmark = pytest.mark.placement("process")
+
 FLAGS = geometry(16, 64)
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
 DEATH_BOUND_S = 5.0
-ENGINE_PROCESS = {"KVFLOW_ENGINE_PROCESS": "1"}
 COLOURS = {"choice": ["red", "green", "blue"]}
 
 
@@ -69,7 +71,7 @@ def poll_health(server: ServerProcess) -> list[int | None]:
 
 
 def test_killing_the_engine_process_is_engine_death() -> None:
-    server = start(FLAGS, ENGINE_PROCESS)
+    server = start(FLAGS)
     try:
         (engine_pid,) = server.children()
         started = threading.Event()
@@ -104,7 +106,7 @@ def test_killing_the_engine_process_is_engine_death() -> None:
 
 
 def test_killing_the_api_server_leaves_no_engine_process() -> None:
-    server = start(FLAGS, ENGINE_PROCESS)
+    server = start(FLAGS)
     try:
         (engine_pid,) = server.children()
         thread, _ = in_background(lambda: plain_answer(server))

@@ -35,21 +35,28 @@ DEATH_BOUND_S = 5.0  # engine death: exit within this of the kill
 EXIT_BOUND_S = 2.0  # SIGTERM: exit within this of the last answer (test_live_shutdown's bound)
 
 
+_OWNERS: dict[int, set[int]] = {}  # server pid -> it and the children seen: rank parents
+
+
 def ranks_of(server_pid: int) -> list[int]:
-    """Pids of live (not zombie) rank processes whose parent was `server_pid`, from /proc."""
-    found = []
+    """Pids of live (not zombie) rank processes started by the server or, in the engine
+    process placement, by its engine process (a child seen by an earlier call counts after it
+    has died), from /proc."""
+    owners = _OWNERS.setdefault(server_pid, {server_pid})
+    found: list[tuple[int, list[bytes]]] = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             args = (proc / "cmdline").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if b"kvflow.worker.tp_worker" in args and str(server_pid).encode() in args:
-            if state != "Z":
-                found.append(int(proc.name))
-    return found
+        if fields[1] == str(server_pid):  # ppid
+            owners.add(int(proc.name))
+        if b"kvflow.worker.tp_worker" in args and fields[0] != "Z":
+            found.append((int(proc.name), args))
+    return [pid for pid, args in found if any(str(o).encode() in args for o in owners)]
 
 
 def gone(pid: int) -> bool:
@@ -150,15 +157,18 @@ def test_hung_rank_trips_the_watchdog_then_drain_ends_every_rank() -> None:
     assert code == 0 and after < EXIT_BOUND_S and not left
 
 
+@pytest.mark.placement("process")
 def test_sigterm_under_load_in_the_engine_process_layout_ends_every_process() -> None:
-    """With the engine core in its own process (KVFLOW_ENGINE_PROCESS=1) that process starts
+    """With the engine core in its own process that process starts
     and owns the ranks; SIGTERM under load (abort mode) answers every client and ends the
     engine process and every rank."""
-    server = spawn(FLAGS, {**ONE_THREAD, "KVFLOW_ENGINE_PROCESS": "1"})
+    server = spawn(FLAGS, ONE_THREAD)
     try:
         server.wait_healthy()
         (engine,) = server.children()
-        assert len(ranks_of(engine)) == 2 and not ranks_of(server.pid)
+        ranks = ranks_of(engine)
+        parents = {Path(f"/proc/{r}/stat").read_text().rsplit(")", 1)[1].split()[1] for r in ranks}
+        assert len(ranks) == 2 and parents == {str(engine)}  # the engine process's, not ours
         plain_thread, plain = in_background(lambda: server.post("/v1/completions", LONG))
         stream_thread, stream = in_background(lambda: sse_lines(server, LONG))
         wait_for(lambda: server.gauge("vllm:num_requests_running") == 2, timeout=60)

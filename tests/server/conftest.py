@@ -1,16 +1,17 @@
-"""The session's shared server (see serverproc.py)."""
+"""The session's shared servers (see serverproc.py): one per placement of the engine loop, so
+every test of the served API runs against both."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
-from support.serverproc import ServerProcess, start_server
+from support.serverproc import PLACEMENTS, ServerProcess, start_server
 
 
-@pytest.fixture(scope="session")
-def server():
-    srv = start_server()
+@pytest.fixture(scope="session", params=PLACEMENTS)
+def server(request: pytest.FixtureRequest):
+    srv = start_server(placement=request.param)
     yield srv
     srv.stop()
 

@@ -1,4 +1,6 @@
-"""AsyncEngine against a real LLMEngine with a scripted runner (no model, no torch work)."""
+"""AsyncEngine over its engine loop on a thread (`ThreadCore`), the core a real EngineCore with
+a scripted runner (no model, no torch work): what the front end promises in either placement
+(tests/engine/test_core_process.py and the liveness suite run the engine process)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,10 @@ import time
 
 import pytest
 
-from kvflow.engine.async_llm import AsyncEngine
+from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavailableError
 from kvflow.engine.async_stats import IterationStats, StepWatchdog
-from kvflow.engine.engine_client import EngineDeadError, EngineUnavailableError
 from kvflow.sampling_params import SamplingParams
-from support.fake_engine import SlowRunner, make_llm_engine
+from support.fake_engine import SlowRunner, make_front_end
 
 PROMPT = list(range(10, 20))
 
@@ -37,8 +38,9 @@ ASYNC_SCHEDULING = False
 
 
 def make_engine(max_num_seqs: int = 8, **kwargs) -> tuple[AsyncEngine, SlowRunner, Recorder]:
-    engine, runner = make_llm_engine(max_num_seqs=max_num_seqs)
-    engine.core.async_scheduling = ASYNC_SCHEDULING
+    watchdog = kwargs.get("watchdog_timeout", 0.0)
+    engine, runner = make_front_end(max_num_seqs=max_num_seqs, watchdog_timeout=watchdog)
+    engine.core.core.async_scheduling = ASYNC_SCHEDULING
     recorder = Recorder()
     return AsyncEngine(engine, stat_logger=recorder, **kwargs), runner, recorder
 
@@ -64,6 +66,7 @@ def test_generate_streams_deltas_and_records_stats():
         engine.start()
         outputs = [o async for o in engine.generate("r1", PROMPT, params(5, n=2))]
         await engine.shutdown(0)
+        engine.close()
         return engine, outputs, recorder
 
     engine, outputs, recorder = run(main())
@@ -106,12 +109,13 @@ def test_validation_error_raises_before_anything_is_queued():
     async def main():
         engine, _, recorder = make_engine()
         engine.start()
+        await wait_until(lambda: recorder.stats)  # the loop's first pass: the client's Hello
         with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
             engine.add_request("long", list(range(300)), params())
         with pytest.raises(ValueError, match="too large: 500"):
             engine.add_request("big", PROMPT, params(max_tokens=500))
         await asyncio.sleep(0.1)
-        passes = len(recorder.stats)
+        passes = len(recorder.stats) - 1
         await engine.shutdown(0)
         return engine, passes
 
@@ -126,10 +130,10 @@ def test_idle_engine_sleeps_instead_of_stepping():
         engine.start()
         _ = [o async for o in engine.generate("r1", PROMPT, params(3))]
         await asyncio.sleep(0.05)
-        before = (len(recorder.stats), engine.engine.stats().num_steps)
+        before = (len(recorder.stats), engine.stats().num_steps)
         cpu0 = time.process_time()
         await asyncio.sleep(0.5)
-        after = (len(recorder.stats), engine.engine.stats().num_steps)
+        after = (len(recorder.stats), engine.stats().num_steps)
         cpu = time.process_time() - cpu0
         await engine.shutdown(0)
         return before, after, cpu
@@ -187,6 +191,7 @@ def test_shutdown_zero_aborts_in_flight_and_refuses_new():
         await wait_until(lambda: engine.stats().num_running == 1)
         t0 = time.monotonic()
         await engine.shutdown(0)
+        engine.close()
         elapsed = time.monotonic() - t0
         outputs = [o async for o in stream]
         with pytest.raises(EngineUnavailableError, match="shutting down"):
@@ -238,6 +243,7 @@ def test_step_exception_fails_every_request_and_marks_dead():
             engine.add_request("late", PROMPT, params())
         healthy = engine.is_healthy
         await engine.shutdown(0)
+        engine.close()
         return engine, error, results, healthy
 
     engine, error, results, healthy = run(main())
@@ -300,6 +306,7 @@ def test_watchdog_marks_a_long_step_unhealthy(caplog):
         await _collect(stream)
         healthy_after = engine.is_healthy
         await engine.shutdown(0)
+        engine.close()
         return healthy_during, healthy_after
 
     with caplog.at_level("WARNING", logger="kvflow.engine"):
@@ -340,7 +347,7 @@ def test_call_utility_runs_an_engine_method_between_steps():
         engine.start()
         stream = engine.add_request("u", PROMPT, params(50))
         await stream.__anext__()
-        stats = await engine.call_utility("stats")
+        stats = await engine.call_utility("stats", type=EngineStats)
         with pytest.raises(RuntimeError, match="no engine method"):
             await engine.call_utility("no_such_method")
         await engine.shutdown(0)

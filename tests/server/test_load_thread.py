@@ -1,5 +1,5 @@
-"""`kvflow serve` loads the model on a thread that exits, so the engine thread's OpenMP pool is
-the process's only one (with a second pool left on the main thread, libgomp stops spinning between
+"""`kvflow serve` (its API server, or its engine process: `engine/startup.py`) loads the model on
+a thread that exits, so the engine loop's OpenMP pool is the process's only one (with a second pool left on the main thread, libgomp stops spinning between
 regions and decode steps ran 1.6x slower: benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 PROBE = """
 import argparse, os
 import numpy, torch  # their own thread pools start at import, before the first count
-from kvflow.server.api_server import _load_engine
+from kvflow.engine.startup import load_core
 from kvflow.server.args import add_serve_arguments, engine_args_from
 from kvflow.engine.llm_engine import LLMEngine
 
@@ -25,7 +25,7 @@ args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
 )
 threads = lambda: len(os.listdir("/proc/self/task"))
 before = threads()
-_load_engine(args)
+load_core(engine_args_from(args))
 after_loader = threads()
 LLMEngine.from_args(engine_args_from(args))
 print(before, after_loader, threads())
@@ -49,13 +49,13 @@ def test_server_loader_leaves_no_openmp_pool_behind() -> None:
 
 FREEZE_PROBE = """
 import argparse, gc
-from kvflow.server.api_server import _load_engine
-from kvflow.server.args import add_serve_arguments
+from kvflow.engine.startup import load_core
+from kvflow.server.args import add_serve_arguments, engine_args_from
 
 args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
     ["--num-blocks", "64", "--max-model-len", "256", "--max-num-batched-tokens", "256"]
 )
-_load_engine(args)
+load_core(engine_args_from(args))
 print(gc.get_freeze_count(), len(gc.get_objects()))
 """
 

@@ -15,7 +15,7 @@ import uvicorn
 
 from kvflow.server.api_server import _Server, build_app
 from kvflow.server.args import add_serve_arguments
-from support.fake_engine import SlowRunner, make_llm_engine
+from support.fake_engine import SlowRunner, make_front_end
 from support.serverproc import free_port
 
 THINK = "<think>\nThe user wants 3 + 4.\n</think>\n\nThe answer is 7."
@@ -50,11 +50,11 @@ def tokenizer():
 def run(tokenizer, argv: list[str], script: str, requests: list[dict]) -> list:
     """Serve with the flags `argv`, the model writing `script`; each request's (whole
     response, raw stream chunks)."""
-    engine, _ = make_llm_engine(tokenizer, max_model_len=512)
+    engine, _ = make_front_end(tokenizer, max_model_len=512)
     runner = ScriptRunner(block_size=16, num_blocks=64)
     runner.delay = 0.0
     runner.script = tokenizer.encode(script, add_special_tokens=False)
-    engine.core.runner = runner
+    engine.core.core.runner = runner
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(argv)
     app, controller = build_app(engine, args)
     config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
@@ -187,7 +187,7 @@ def test_each_parser_through_the_server(tokenizer, parser, script, calls, conten
 
 def test_chat_template_kwargs_reach_the_template(tokenizer):
     template = "{% if enable_thinking is false %}NO-THINK{% else %}THINK{% endif %}"
-    engine, _ = make_llm_engine(tokenizer)
+    engine, _ = make_front_end(tokenizer)
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
         ["--trust-request-chat-template"]
     )

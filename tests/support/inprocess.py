@@ -13,7 +13,7 @@ import uvicorn
 from kvflow.engine.async_llm import AsyncEngine
 from kvflow.server.api_server import _Server, build_app
 from kvflow.server.args import add_serve_arguments
-from support.fake_engine import SlowRunner, make_llm_engine
+from support.fake_engine import SlowRunner, make_front_end
 from support.serverproc import free_port
 
 LONG = {"prompt": [504, 3575, 282], "max_tokens": 200, "ignore_eos": True}
@@ -31,7 +31,7 @@ async def wait(predicate, timeout: float = 10.0) -> None:
 
 def serve(tokenizer, argv: list[str], scenario: Scenario, max_num_seqs: int = 8):
     """Run `scenario` against a live server; returns (its result, the controller)."""
-    engine, runner = make_llm_engine(tokenizer, max_num_seqs=max_num_seqs)
+    engine, runner = make_front_end(tokenizer, max_num_seqs=max_num_seqs)
     runner.delay = 0.02
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(argv)
     app, controller = build_app(engine, args)

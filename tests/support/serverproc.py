@@ -31,6 +31,12 @@ MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 240.0
 MODEL = "SmolLM2-135M-Instruct"
 LABELS = {"model_name": MODEL, "engine": "0"}  # the engine's metric labels
+# Where a server's engine loop runs: a thread of the API server, or the engine core process.
+PLACEMENTS = ("thread", "process")
+
+
+def placement_env(placement: str) -> dict[str, str]:
+    return {"KVFLOW_ENGINE_PROCESS": "1" if placement == "process" else "0"}
 
 
 def free_port() -> int:
@@ -173,14 +179,18 @@ def launch(
     return proc, port, Path(log_name)
 
 
-def start_server(*extra: str, geometry: list[str] | None = None) -> ServerProcess:
+def start_server(
+    *extra: str, geometry: list[str] | None = None, placement: str | None = None
+) -> ServerProcess:
+    """A healthy server with the suite's geometry; `placement` None: as the environment says."""
+    env = {**os.environ, **(placement_env(placement) if placement else {})}
     args = [
         *(geometry or [*GEOMETRY, "--max-model-len", str(MAX_MODEL_LEN)]),
         "--uvicorn-log-level",
         "warning",
         *extra,
     ]
-    server = ServerProcess(*launch(args, dict(os.environ), "kvflow-server-"))
+    server = ServerProcess(*launch(args, env, "kvflow-server-"))
     server.wait_healthy()
     return server
 

@@ -18,7 +18,7 @@ def test_every_request_gets_its_tokens_through_chunking_and_preemption() -> None
     core = EngineCore(EngineConfig(cache, SchedulerConfig(40, 8, 4)), NullRunner(100, 7))
     lengths = {f"r{i}": (5 + 3 * i, 6 + i) for i in range(5)}  # (prompt, max_tokens)
     for rid, (prompt, max_tokens) in lengths.items():
-        core.add_request(Request(rid, list(range(10, 10 + prompt)), max_tokens))
+        core.scheduler.add_request(Request(rid, list(range(10, 10 + prompt)), max_tokens))
     got: dict[str, list[int]] = {rid: [] for rid in lengths}
     finished = set()
     for _ in range(500):

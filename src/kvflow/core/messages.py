@@ -1,4 +1,6 @@
-"""Plain data that crosses the scheduler -> runner -> scheduler boundary (ints and lists only).
+"""Plain data that crosses the scheduler -> runner -> scheduler boundary: ints and lists, and a
+request's sampling params and compiled grammar, opaque here (the runner reads them; neither
+crosses a process boundary in these messages).
 
 New requests are sent whole once; afterwards only diffs (new blocks, the computed counter).
 A preempted request is sent whole again when it resumes.

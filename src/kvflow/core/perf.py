@@ -2,7 +2,8 @@
 them (`vllm/v1/metrics/perf.py`: dense attention and SwiGLU FFN, the LM head on the rows that
 need logits), for `vllm:estimated_{flops,read_bytes,write_bytes}_per_gpu_total`.
 
-One device, no tensor parallelism: the per-GPU figure is the whole model's. Plain ints only.
+Split over `num_gpus` devices (tensor parallelism), each device's share is the whole step's over
+their number, as vLLM counts it per GPU. Plain ints only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     weight_bytes: int  # per element, also activations and the KV cache (one dtype)
+    num_gpus: int = 1  # devices the model is split over
 
     @classmethod
     def from_hf_config(cls, hf_config, dtype_bytes: int) -> ModelShape:
@@ -78,7 +80,7 @@ def _batch(sched: SchedulerOutput) -> _Batch:
 
 
 def step_perf(shape: ModelShape, sched: SchedulerOutput) -> tuple[int, int, int]:
-    """(flops, read bytes, write bytes) of one scheduled step."""
+    """(flops, read bytes, write bytes) of one scheduled step, per device."""
     b = _batch(sched)
     s = shape
     L, D, q, kv, d, DI, V, w = (
@@ -111,4 +113,5 @@ def step_perf(shape: ModelShape, sched: SchedulerOutput) -> tuple[int, int, int]
         + 2 * T * DI * w * L + T * DI * w * L + T * D * w * L  # FFN
         + logits_rows * V * w  # LM head
     )  # fmt: skip
-    return flops, read, write
+    n = shape.num_gpus
+    return flops // n, read // n, write // n

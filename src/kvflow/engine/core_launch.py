@@ -1,13 +1,13 @@
-"""Starting the engine core process and the API side's LLMEngine over it (synchronous: before
+"""Where the server's engine loop runs, and starting the engine core process (synchronous: before
 the server's event loop exists).
 
-    launch_engine(args)     spawn `python -m kvflow.engine.core_proc`, wait for its Ready
-    frontend(ready, ...)    an LLMEngine in this process: tokenizer, validation, detokenizer;
-                            its core is a `RemoteCore` that the client fills in
+    engine_process_enabled(device)   the placement: $KVFLOW_ENGINE_PROCESS, else the engine
+                                     process on CUDA (as vLLM) and a thread on the CPU
+    launch_engine(args)              spawn `python -m kvflow.engine.core_proc`, wait for Ready
 
 The wait polls in short slices so that a start-up signal's handler runs at once in this
-process (`stop_starting` forwards it to the engine process, which removes what it had
-half-written, then exits).
+process (`startup.exit_during_start_up` forwards it to the engine process, which removes what
+it had half-written, then exits).
 """
 
 from __future__ import annotations
@@ -25,16 +25,33 @@ import msgspec
 import zmq
 
 from kvflow.engine import core_wire as wire
+from kvflow.engine import startup
 from kvflow.engine.core_proc import LaunchSpec, set_parent_death_signal
-from kvflow.engine.llm_engine import EngineArgs, LLMEngine
+from kvflow.engine.llm_engine import EngineArgs
 
-# "1": the server's engine core runs in its own process; unset or "0": on a thread of the
-# server's process (the default while output constraints cannot cross the boundary)
+# "1": the server's engine loop runs in the engine core process; "0": on a thread of the API
+# server's process; unset: the engine process on CUDA, a thread on the CPU (README, "Processes")
 ENV = "KVFLOW_ENGINE_PROCESS"
 
 
-def engine_process_enabled() -> bool:
-    return os.environ.get(ENV, "0").strip() not in ("", "0")
+def engine_process_enabled(device: str) -> bool:
+    """The placement for `--device` (cpu, cuda[:N] or auto)."""
+    value = os.environ.get(ENV, "").strip()
+    if value:
+        return value != "0"
+    return device.startswith("cuda") or (device == "auto" and cuda_present())
+
+
+def cuda_present() -> bool:
+    """An NVIDIA card is visible to this process, read from the driver's /proc entries (this
+    process does not import torch to find out)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    try:
+        return any(os.scandir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return False
 
 
 class EngineStartError(RuntimeError):
@@ -58,9 +75,6 @@ class EngineProcess:
         return self.ready.pid
 
 
-_starting: list[subprocess.Popen] = []  # the engine process while it starts (for signals)
-
-
 def new_address() -> str:
     return f"ipc://{tempfile.gettempdir()}/kvflow-engine-{uuid.uuid4().hex[:12]}"
 
@@ -71,7 +85,7 @@ def spawn_engine(args: EngineArgs, watchdog_timeout: float, address: str) -> sub
     spec = LaunchSpec(args, os.getpid(), watchdog_timeout)
     cmd = [sys.executable, "-m", "kvflow.engine.core_proc", address, msgspec.json.encode(spec)]
     proc = subprocess.Popen([*cmd[:-1], cmd[-1].decode()])
-    _starting.append(proc)
+    startup.starting(proc)
     return proc
 
 
@@ -113,19 +127,8 @@ def launch_engine(
         proc.wait()
         raise
     finally:
-        _starting.clear()
+        startup.starting(None)
     return EngineProcess(address, ready, proc), prepared
-
-
-def stop_starting(signum: int, timeout: float = 8.0) -> None:
-    """Forward a start-up signal to the engine process and wait (bounded) for it to exit."""
-    for proc in list(_starting):
-        if proc.poll() is None:
-            proc.send_signal(signum)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def stop_process(proc: subprocess.Popen, timeout: float) -> int:
@@ -144,26 +147,6 @@ def load_frontend_tokenizer(path: str | os.PathLike[str], chat_template: str | N
     tokenizer = load_tokenizer(path)
     load_chat_template(tokenizer, chat_template)
     return tokenizer
-
-
-def frontend(ready: wire.Ready, core: object, tokenizer: Any) -> LLMEngine:
-    """The API side's LLMEngine: this process's tokenizer and output processor over `core`; it
-    validates output constraints, the engine process compiles them."""
-    from kvflow.structured.backend import ConstraintValidator
-
-    so = ready.structured_outputs
-    return LLMEngine(
-        ready.config,
-        None,
-        tokenizer,
-        ready.model_name,
-        ready.eos_token_id,
-        dtype_name=ready.dtype_name,
-        device=ready.device,
-        generation_eos_ids=frozenset(ready.generation_eos_ids),
-        grammar=None if so is None else ConstraintValidator(so),
-        core=core,
-    )
 
 
 def die_with_parent() -> None:

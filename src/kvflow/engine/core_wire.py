@@ -6,7 +6,7 @@ process, one DEALER per API server process; every message is one frame.
     down (API server -> engine)    Hello, Add, Abort, Utility, Shutdown
     up   (engine -> API server)    Ready, Step, UtilityResult, Dead, Bye
 
-The core's own message classes (`EngineCoreOutput`, `EngineStats`, `SamplingParams`, the
+The core's own message classes (`EngineCoreRequest`, `EngineCoreOutput`, `EngineStats`, the
 config dataclasses) cross as they are: msgspec encodes dataclasses field by field, so fields
 other branches add to them cross without a change here. A utility's result is encoded on its
 own (`Utility.method` names any method of the engine side) and decoded with the type the caller
@@ -21,8 +21,7 @@ import msgspec
 
 from kvflow.config import EngineConfig
 from kvflow.core.messages import EngineCoreOutput
-from kvflow.engine.engine_core import EngineStats
-from kvflow.sampling_params import SamplingParams
+from kvflow.engine.engine_core import EngineCoreRequest, EngineStats
 from kvflow.structured.config import StructuredOutputsConfig
 
 
@@ -30,23 +29,8 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     """A client's first message: the engine learns its identity and answers Ready."""
 
 
-class NewRequest(msgspec.Struct, array_like=True):
-    """One core request (one choice of an API request), as `core.request.Request` takes it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    stop_token_ids: list[int]
-    min_tokens: int
-    ignore_eos: bool
-    skip_reading_prefix_cache: bool
-    arrival_time: float  # time.monotonic(): one clock for every process on the host
-
-
 class Add(msgspec.Struct, tag=True, array_like=True):
-    requests: list[NewRequest]
+    requests: list[EngineCoreRequest]
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -68,18 +52,25 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort everything, answer Bye, exit 0 (sent by the process that owns the engine)."""
 
 
-class Ready(msgspec.Struct, tag=True, array_like=True):
-    model_path: str  # the resolved model directory: the API side loads its tokenizer
+class EngineInfo(msgspec.Struct, array_like=True):
+    """What a front end knows of its engine: made by the assembly with the core, sent by the
+    engine process in Ready."""
+
+    model_path: str  # the resolved model directory: a front end loads its tokenizer there
     model_name: str
     config: EngineConfig
     eos_token_id: int | None
     generation_eos_ids: list[int]
     dtype_name: str
     device: str
-    pid: int
-    # The engine's grammar backend's options (the API side validates with them; the engine
-    # compiles); None: structured outputs are not available.
+    # The grammar backend's options (the front end validates with them, the core compiles);
+    # None: structured outputs are not available.
     structured_outputs: StructuredOutputsConfig | None = None
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    info: EngineInfo
+    pid: int
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):

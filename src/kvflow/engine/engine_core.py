@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +26,8 @@ from kvflow.core.perf import ModelShape, step_perf
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.snapshot import EngineSnapshot
+from kvflow.engine.pending_grammars import PendingGrammars
+from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -43,6 +46,30 @@ class Runner(Protocol):
         ...
 
 
+class GrammarCompiler(Protocol):
+    def compile(self, so) -> Future:
+        """A Future of the compiled constraint (its exception a ValueError)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    """One choice of an API request as every core takes it: plain data, built once by the
+    front end (`LLMEngine.add_request`) and handed as it is to a core in this process or
+    encoded (msgspec) for the engine process."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    stop_token_ids: list[int]
+    min_tokens: int
+    ignore_eos: bool
+    skip_reading_prefix_cache: bool  # prompt logprobs: every prompt token's logits
+    arrival_time: float  # time.monotonic(): one clock for every process on the host
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -59,7 +86,7 @@ class EngineStats:
     estimated_read_bytes: int = 0
     estimated_write_bytes: int = 0
     kv_events_dropped: int = 0  # KV-event batches the publisher's full queue dropped
-    num_grammar_failures: int = 0  # requests failed by their output constraint (LLMEngine's)
+    num_grammar_failures: int = 0  # requests failed by their output constraint
 
 
 class EngineCore:
@@ -71,7 +98,9 @@ class EngineCore:
         async_scheduling: bool = False,
         model_shape: ModelShape | None = None,
         kv_events: KVEventSink | None = None,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
+        """`grammar` compiles output constraints (None: a request with one is refused)."""
         self.config = config
         self.runner = runner
         self.scheduler = Scheduler(config.scheduler, config.cache)
@@ -86,10 +115,40 @@ class EngineCore:
         self.kv_events = kv_events
         if kv_events is not None:
             self.scheduler.kv.pool.record_events()
+        self.grammar = grammar
+        self.pending_grammars = PendingGrammars()
 
-    def add_request(self, request: Request) -> None:
-        """Raises ValueError when the request could never be served."""
+    def close(self) -> None:
+        """Release what outlives steps: the KV-event publisher, the grammar compile threads,
+        the ranks of an executor. Idempotent."""
+        sink, self.kv_events = self.kv_events, None
+        for owner, method in ((sink, "close"), (self.grammar, "close"), (self.runner, "shutdown")):
+            release = getattr(owner, method, None)
+            if release is not None:
+                release()
+
+    def add_request(self, new: EngineCoreRequest) -> None:
+        """Queue a request; one with an output constraint waits (not schedulable) until its
+        grammar compiles (`PendingGrammars`). Raises ValueError when it could never be served."""
+        so = new.sampling_params.structured_outputs
+        if so is not None and self.grammar is None:
+            raise ValueError("Structured outputs are not available: no grammar backend.")
+        request = Request(
+            new.request_id,
+            list(new.prompt_token_ids),
+            new.max_tokens,
+            sampling_params=new.sampling_params,
+            eos_token_id=new.eos_token_id,
+            stop_token_ids=frozenset(new.stop_token_ids),
+            min_tokens=new.min_tokens,
+            ignore_eos=new.ignore_eos,
+            skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+            arrival_time=new.arrival_time,
+        )
+        compiled = None if so is None else self.grammar.compile(so)
         self.scheduler.add_request(request)
+        if compiled is not None:
+            self.pending_grammars.add(request, compiled)
 
     def abort_requests(
         self,
@@ -114,7 +173,15 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one step. Returns outputs for requests that produced tokens or finished: this
-        step's, or with async scheduling the previous step's (this one stays in flight)."""
+        step's, or with async scheduling the previous step's (this one stays in flight).
+
+        First, constrained requests whose grammar compiled become schedulable and those whose
+        compile failed end; with nothing else to run it waits briefly on the compiles
+        (`PendingGrammars.poll`) rather than stepping an idle engine in a loop."""
+        block = not self.has_schedulable_work()
+        return self.pending_grammars.poll(self, block) + self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         if not self.async_scheduling:  # (a step still in flight: it was just switched off)
             previous, self._in_flight = self._in_flight, None
             return (previous() if previous is not None else []) + self.launch()()
@@ -216,4 +283,11 @@ class EngineCore:
             estimated_read_bytes=self.perf_totals[1],
             estimated_write_bytes=self.perf_totals[2],
             kv_events_dropped=self.kv_events.num_dropped if self.kv_events is not None else 0,
+            num_grammar_failures=self.num_grammar_failures(),
         )
+
+    def num_grammar_failures(self) -> int:
+        """Requests failed by their output constraint so far: it did not compile, or it
+        allowed no token (counted by the runner)."""
+        runner_failures = getattr(self.runner, "num_grammar_failures", 0)
+        return self.pending_grammars.num_failures + runner_failures

@@ -1,24 +1,26 @@
-"""LLMEngine: tokenizer + validation + EngineCore + OutputProcessor, synchronous.
+"""LLMEngine: the front end's synchronous half over a core: tokenize, validate, build the core
+requests (n > 1 fan-out), turn core outputs into vLLM-shaped RequestOutputs.
 
-The offline `LLM` and the server's `AsyncEngine` both drive one of these.
+The core is an EngineCore in this process, which the offline `LLM` steps (`step()`), or the
+server's core client (`core_client`: the core on a thread or in the engine process), whose
+outputs `AsyncEngine` hands to `process_outputs`. Both take the same EngineCoreRequests.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from kvflow.config import EngineConfig
-from kvflow.core.perf import ModelShape
-from kvflow.core.request import Request, RequestStatus
-from kvflow.core.snapshot import EngineSnapshot
-from kvflow.engine.engine_core import EngineCore, EngineStats, KVEventSink, Runner
+from kvflow.core.messages import EngineCoreOutput
+from kvflow.core.request import RequestStatus
+from kvflow.engine.core_wire import EngineInfo
+from kvflow.engine.engine_core import EngineCoreRequest, EngineStats
 from kvflow.engine.output_processor import OutputProcessor
-from kvflow.engine.pending_grammars import PendingGrammars
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from kvflow.structured.backend import ConstraintValidator
 from kvflow.structured.config import StructuredOutputsConfig
 
 logger = logging.getLogger("kvflow.engine")
@@ -32,7 +34,7 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "auto"
     quantization: str | None = None  # gguf, int8, fp8, none; None: gguf for a .gguf on the CPU
-    device: str = "cpu"
+    device: str = "auto"  # auto: CUDA where a card is visible, else the CPU
     max_model_len: int | None = None  # None or -1: auto-fit to the model and the KV pool
     block_size: int = 16
     num_blocks: int | None = None
@@ -82,64 +84,35 @@ class EngineArgs:
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        runner: Runner,
-        tokenizer,
-        model_name: str,
-        eos_token_id: int | None,
-        dtype_name: str = "float32",
-        device: str = "cpu",
-        log_steps: bool = False,
-        generation_eos_ids: frozenset[int] = frozenset(),
-        async_scheduling: bool = False,
-        grammar: Any = None,
-        model_shape: ModelShape | None = None,
-        kv_events: KVEventSink | None = None,
-        core: EngineCore | None = None,
-    ) -> None:
-        """`grammar`: what validates output constraints (None: requests with one are refused);
-        a GrammarBackend also compiles them here, a ConstraintValidator over a RemoteCore leaves
-        the compile to the engine process. `core`: the EngineCore to drive (default: one made over `runner`);
-        an API server whose core runs in the engine process passes a `core_client.RemoteCore`."""
-        self.config = config
-        self.model_path = None  # the resolved model directory, set by the builder
+    def __init__(self, info: EngineInfo, tokenizer: Any, core: Any) -> None:
+        """`core` takes `add_request(EngineCoreRequest)` and `abort_requests(ids, status,
+        error)`: an EngineCore, or a core client (whose outputs come back later)."""
+        self.info = info
+        self.config = info.config
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.eos_token_id = eos_token_id
+        self.model_name = info.model_name
+        self.eos_token_id = info.eos_token_id
         # the generation config's other EOS ids (Llama 3 lists three): they stop like stop_token_ids
-        self.generation_eos_ids = generation_eos_ids - {eos_token_id}
-        self.dtype_name = dtype_name
-        self.device = device
-        self.core = core or EngineCore(
-            config,
-            runner,
-            log_steps,
-            async_scheduling,
-            model_shape=model_shape,
-            kv_events=kv_events,
-        )
+        self.generation_eos_ids = frozenset(info.generation_eos_ids) - {info.eos_token_id}
+        self.dtype_name = info.dtype_name
+        self.device = info.device
+        self.core = core
         self.output_processor = OutputProcessor(tokenizer)
-        self.grammar = grammar
-        self.pending_grammars = PendingGrammars()
+        so = info.structured_outputs
+        self.validator = None if so is None else ConstraintValidator(so)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
-        """Load the model and size the KV cache. Raises ValueError for an impossible geometry."""
-        log_steps = args.log_engine_steps or os.environ.get("KVFLOW_LOG_ENGINE_STEPS") == "1"
-        if args.tensor_parallel_size > 1:
-            from kvflow.worker.tp_builder import build_tp_engine
+        """Load the model and size the KV cache (`engine.assembly`). Raises ValueError for an
+        impossible geometry or a flag this configuration cannot honour."""
+        from kvflow.engine.assembly import assemble  # torch lives below this line
 
-            return build_tp_engine(cls, args, log_steps)
-        from kvflow.worker.builder import build_engine  # torch lives below this line
-
-        return build_engine(cls, args, log_steps)
+        core, info, tokenizer = assemble(args)
+        return cls(info, tokenizer, core)
 
     def close(self) -> None:
-        """Release what outlives steps (the KV-event publisher's sockets and thread)."""
-        sink, self.core.kv_events = self.core.kv_events, None
-        close = getattr(sink, "close", None)
+        """Release what outlives steps (an in-process core's event publisher, ranks)."""
+        close = getattr(self.core, "close", None)
         if close is not None:
             close()
 
@@ -190,9 +163,9 @@ class LLMEngine:
 
     def validate_structured_outputs(self, so: StructuredOutputsParams) -> None:
         """Raises ValueError naming what is wrong with an output constraint."""
-        if self.grammar is None:
+        if self.validator is None:
             raise ValueError("Structured outputs are not available: no grammar backend.")
-        self.grammar.validate(so)
+        self.validator.validate(so)
 
     def add_request(
         self,
@@ -200,39 +173,40 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
-    ) -> None:
-        """Validate and queue a request (n choices share its prompt). Raises ValueError."""
+        arrival_time: float | None = None,
+    ) -> SamplingParams:
+        """Validate and send a request's choices to the core (n share its prompt). Returns the
+        params it runs with. Raises ValueError."""
         params = self.validate(prompt_token_ids, params)
         extra = self.generation_eos_ids.difference(params.stop_token_ids)
         if extra and not params.ignore_eos:  # as vLLM: reported with stop_reason = the id
             params = params.clone(stop_token_ids=[*params.stop_token_ids, *sorted(extra)])
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        compile = None
-        compiles_here = getattr(self.grammar, "compile", None)
-        if params.structured_outputs is not None and compiles_here is not None:
-            compile = compiles_here(params.structured_outputs)
-            if compile.done() and compile.exception() is not None:
-                raise ValueError(str(compile.exception()))
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         for i, child_id in enumerate(children):
             child = params
             if i and params.seed is not None:  # as vLLM: choice i draws from seed + i
                 child = params.clone(seed=params.seed + i)
-            request = Request(
+            new = EngineCoreRequest(
                 child_id,
                 list(prompt_token_ids),
                 params.max_tokens,
-                sampling_params=child,
-                eos_token_id=self.eos_token_id,
-                stop_token_ids=frozenset(params.stop_token_ids),
-                min_tokens=params.min_tokens,
-                ignore_eos=params.ignore_eos,
-                skip_reading_prefix_cache=params.prompt_logprobs is not None,
+                child,
+                self.eos_token_id,
+                sorted(params.stop_token_ids),
+                params.min_tokens,
+                params.ignore_eos,
+                params.prompt_logprobs is not None,
+                arrival,
             )
-            self.core.add_request(request)
-            if compile is not None:
-                self.pending_grammars.add(request, compile)
+            try:
+                self.core.add_request(new)
+            except ValueError:
+                self._end([request_id], RequestStatus.FINISHED_ABORTED, None)
+                raise
+        return params
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         return self._end(request_ids, RequestStatus.FINISHED_ABORTED, None)
@@ -244,22 +218,23 @@ class LLMEngine:
 
     def _end(self, request_ids, status: RequestStatus, error: str | None) -> list[RequestOutput]:
         child_ids = [c for r in request_ids for c in self.output_processor.child_ids(r)]
-        outputs, _ = self.output_processor.process(
-            self.core.abort_requests(child_ids, status, error)
-        )
-        return outputs
+        return self.process_outputs(self.core.abort_requests(child_ids, status, error))
 
-    # ---- the step ----------------------------------------------------------------------------
+    # ---- outputs -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; delta outputs for every request that progressed or ended.
+        """One step of an in-process EngineCore; delta outputs for every request that progressed
+        or ended.
 
         With async scheduling they are the previous step's outputs, detokenized while this
         step runs on the device. A stop string then ends its request in the core while the
         step computes one more token for it, which the core drops."""
-        pending = self.pending_grammars
-        failed = pending.poll(self.core, block=not self.core.has_schedulable_work())
-        outputs, stopped = self.output_processor.process(failed + self.core.step())
+        return self.process_outputs(self.core.step())
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Core outputs as delta RequestOutputs; a choice a stop string ended here is ended in
+        the core (its tokens made meanwhile are dropped)."""
+        outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
@@ -268,16 +243,5 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
-        """The core's counters with the output-constraint failures counted here (call it
-        where the core steps: in-process, or in the engine process)."""
-        return replace(self.core.stats(), num_grammar_failures=self.num_grammar_failures())
-
-    def num_grammar_failures(self) -> int:
-        """Requests failed by their output constraint so far: it did not compile, or it
-        allowed no token (counted by the runner)."""
-        runner_failures = getattr(self.core.runner, "num_grammar_failures", 0)
-        return self.pending_grammars.num_failures + runner_failures
-
-    def snapshot(self) -> EngineSnapshot:
-        """The scheduler and KV pool as plain data; on the thread that steps, between steps."""
-        return self.core.snapshot()
+        """An in-process EngineCore's counters (a server's come up in its Steps)."""
+        return self.core.stats()

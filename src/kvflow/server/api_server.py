@@ -19,20 +19,18 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
-from kvflow.engine import core_launch
+from kvflow.engine import core_launch, startup
 from kvflow.engine.async_llm import AsyncEngine
-from kvflow.engine.core_client import ProcessEngine, RemoteCore
+from kvflow.engine.core_client import ProcessCore, ThreadCore
 from kvflow.engine.core_launch import EngineProcess, EngineStartError, die_with_parent
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.model.loader import resolve_model
-from kvflow.paths import remove_scratch
 from kvflow.server.args import (
     add_serve_arguments,
     args_from_env,
@@ -49,7 +47,6 @@ from kvflow.server.routes import ServerContext, router
 from kvflow.server.serving_chat import ChatServing
 from kvflow.server.serving_completion import CompletionServing
 from kvflow.server.tool_choice import ToolConfig
-from kvflow.worker.executor import kill_all as kill_ranks
 
 logger = logging.getLogger("kvflow.server")
 
@@ -169,43 +166,21 @@ def _server_context(
     )
 
 
-def _async_engine(
-    engine: LLMEngine,
-    args: argparse.Namespace,
-    metrics: ServerMetrics,
-    process: EngineProcess | None,
-) -> AsyncEngine | ProcessEngine:
-    """The engine as the routes see it: stepped by a thread of this process, or with
-    `process` by the engine core process (`engine` is then the API side's: tokenizer and
-    detokenizer)."""
-    options = dict(
+def build_app(
+    engine: LLMEngine, args: argparse.Namespace, api_key: str | None = None
+) -> tuple[FastAPI, ShutdownController]:
+    """The app over `engine`, the front end's LLMEngine whose core is a core client
+    (`_start_engine`); the engine starts and stops with the app's lifespan. `api_key`
+    defaults to `args.api_key`."""
+    api_key = api_key if api_key is not None else getattr(args, "api_key", None)
+    names = args.served_model_name or [engine.model_name]
+    metrics = _metrics(engine, args, names[0])
+    async_engine = AsyncEngine(
+        engine,
         stat_logger=_stat_loggers(metrics, args),
         max_num_queued_reqs=args.max_num_queued_reqs,
         watchdog_timeout=args.watchdog_timeout,
     )
-    if process is None:
-        return AsyncEngine(engine, **options)
-    return ProcessEngine(
-        engine,
-        process,
-        identity=api_identity(getattr(args, "api_server_index", 0)),
-        owns_process=process.proc is not None,
-        **options,
-    )
-
-
-def build_app(
-    engine: LLMEngine,
-    args: argparse.Namespace,
-    api_key: str | None = None,
-    process: EngineProcess | None = None,
-) -> tuple[FastAPI, ShutdownController]:
-    """The app over `engine` (see `_async_engine`); the engine starts and stops with the
-    app's lifespan. `api_key` defaults to `args.api_key`."""
-    api_key = api_key if api_key is not None else getattr(args, "api_key", None)
-    names = args.served_model_name or [engine.model_name]
-    metrics = _metrics(engine, args, names[0])
-    async_engine = _async_engine(engine, args, metrics, process)
     controller = ShutdownController(async_engine, args.shutdown_timeout)
     ctx = _server_context(async_engine, engine, args, names, metrics)
 
@@ -273,60 +248,24 @@ def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
         print(f"kvflow: chat and live engine view: {url}/", flush=True)
 
 
-def _install_start_up_signals() -> None:
-    """Until the server takes the signals over, SIGTERM/SIGINT end the start-up at once."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _exit_during_start_up)
-
-
-def _exit_during_start_up(signum: int, frame: FrameType | None) -> None:
-    """Removes what is half-written (`paths.remove_scratch`: a GGUF conversion's temporary
-    directory, a kernel build's output) and exits with 128 + signal. It raises nothing: an
-    exception raised here can land in Python code that C++ called (torch's imports run such
-    code), and escaping through C++ it aborts the process."""
-    core_launch.stop_starting(signum)  # the engine process cleans up and exits first
-    remove_scratch()
-    kill_ranks()  # tensor-parallel ranks started so far
-    logger.info("signal %d during start-up: exiting", signum)
-    logging.shutdown()
-    os._exit(128 + signum)
-
-
-def _load_engine(args: argparse.Namespace) -> LLMEngine:
-    """Load and warm up the engine on a thread that then exits, so that only the engine thread
-    ever runs the model. libgomp keeps an OpenMP thread pool per thread that ran a parallel
-    region; with the main thread's left beside the engine thread's it counts more threads than
-    cores and has them sleep at once between regions instead of spinning, so each of a step's
-    ~200 regions waited for a wake-up: decode steps ran 1.5x slower in the server than offline
-    (benchmarks/RESULTS.md). A thread's pool goes when the thread ends. The objects the load
-    made are then frozen (see below)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="kvflow-load") as pool:
-        engine = pool.submit(LLMEngine.from_args, engine_args_from(args)).result()
-    # The ~300k objects the load leaves (tokenizer tables, modules, ...) live as long as the
-    # process: moved out of the collector's reach, a full collection, which Python runs now and
-    # then as requests come and go, scans only what serving made (142 ms -> 0 ms for the
-    # embedded model, stalling every thread, the engine's too).
-    gc.collect()
-    gc.freeze()
-    return engine
-
-
 def api_identity(index: int) -> bytes:
     return f"api-{index}".encode()
 
 
-def _start_engine(args: argparse.Namespace) -> tuple[LLMEngine, EngineProcess | None]:
-    """The engine core process (started here, or by the --api-server-count supervisor) and
-    this process's side of it; without KVFLOW_ENGINE_PROCESS=1 the whole engine in this process."""
+def _start_engine(args: argparse.Namespace) -> LLMEngine:
+    """This process's front end over the engine loop: on a thread here, or in the engine
+    process (started here, or by the --api-server-count supervisor); `core_launch` says
+    which."""
     if args.engine_address is not None:
         die_with_parent()
-        ready = core_launch.wait_ready(
-            args.engine_address, api_identity(args.api_server_index), None
-        )
+        identity = api_identity(args.api_server_index)
+        ready = core_launch.wait_ready(args.engine_address, identity, None)
+        tokenizer = core_launch.load_frontend_tokenizer(ready.info.model_path, args.chat_template)
         process = EngineProcess(args.engine_address, ready)
-        tokenizer = core_launch.load_frontend_tokenizer(ready.model_path, args.chat_template)
-    elif core_launch.engine_process_enabled():
+        client: Any = ProcessCore(process, identity, owns_process=False)
+    elif core_launch.engine_process_enabled(args.device):
+        from kvflow.model.loader import resolve_model
+
         engine_args = engine_args_from(args)
         # A conversion runs here, before the engine process starts (which then finds it done):
         # this process's start-up signal handler removes a half-written one.
@@ -336,20 +275,19 @@ def _start_engine(args: argparse.Namespace) -> tuple[LLMEngine, EngineProcess | 
             args.watchdog_timeout,
             lambda: core_launch.load_frontend_tokenizer(path, args.chat_template),
         )
+        client = ProcessCore(process, api_identity(0), owns_process=True)
     else:
-        return _load_engine(args), None
-    engine = core_launch.frontend(process.ready, RemoteCore(), tokenizer)
+        core, info, tokenizer = startup.load_core(engine_args_from(args))
+        return LLMEngine(info, tokenizer, ThreadCore(core, info, args.watchdog_timeout))
     gc.collect()
     gc.freeze()
-    return engine, process
+    return LLMEngine(process.ready.info, tokenizer, client)
 
 
-def _build_server(
-    engine: LLMEngine, args: argparse.Namespace, process: EngineProcess | None = None
-) -> _Server:
+def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
     _banner(engine, args)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLOW_API_KEY")
-    app, controller = build_app(engine, args, api_key, process)
+    app, controller = build_app(engine, args, api_key)
     listen = {"host": args.host, "port": args.port}
     if args.listen_fd is not None:  # the supervisor's socket, shared by every API server
         listen = {"fd": args.listen_fd}
@@ -379,11 +317,10 @@ def run_server(args: argparse.Namespace) -> int:
     (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve,
     128 + signal for a signal before the server was up)."""
     _configure_logging()
-    _install_start_up_signals()
+    startup.install_start_up_signals()
     try:
         check_serve_args(args)
-        engine, process = _start_engine(args)
-        server = _build_server(engine, args, process)
+        server = _build_server(_start_engine(args), args)
     except ValueError as exc:
         print(f"kvflow serve: error: {exc}", file=sys.stderr, flush=True)
         return 2

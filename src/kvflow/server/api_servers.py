@@ -28,7 +28,7 @@ import time
 
 import zmq
 
-from kvflow.engine import core_launch
+from kvflow.engine import core_launch, startup
 from kvflow.engine import core_wire as wire
 from kvflow.engine.core_launch import EngineStartError
 from kvflow.server.args import ARGS_ENV, engine_args_from
@@ -44,8 +44,7 @@ def run_supervisor(args: argparse.Namespace) -> int:
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit_during_start_up)
+    startup.install_start_up_signals()
     listener = _listen(args.host, args.port)
     try:
         engine, _ = core_launch.launch_engine(engine_args_from(args), args.watchdog_timeout)
@@ -72,14 +71,6 @@ def run_supervisor(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _exit_during_start_up(signum: int, frame: object) -> None:
-    """The engine process (loading) cleans up and exits first; then this one, raising
-    nothing into the interrupted code."""
-    core_launch.stop_starting(signum)
-    logging.shutdown()
-    os._exit(128 + signum)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -70,7 +70,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
     )
     _add_quantization_flag(p)
-    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-model-len", type=parse_max_model_len, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", "--num-gpu-blocks-override", dest="num_blocks", type=int)

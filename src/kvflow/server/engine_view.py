@@ -13,8 +13,7 @@ import dataclasses
 import time
 from typing import Any
 
-from kvflow.engine.async_llm import AsyncEngine
-from kvflow.engine.engine_client import EngineUnavailableError
+from kvflow.engine.async_llm import AsyncEngine, EngineUnavailableError
 from kvflow.engine.stats_history import LiveSnapshot
 from kvflow.server.serving import ServingError
 

@@ -3,7 +3,7 @@ message that names the numbers."""
 
 from __future__ import annotations
 
-from kvflow.engine.engine_client import EngineDeadError, EngineUnavailableError
+from kvflow.engine.async_llm import EngineDeadError, EngineUnavailableError
 from kvflow.server.protocol import ErrorInfo, ErrorResponse
 
 ERROR_TYPES = {

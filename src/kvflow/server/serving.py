@@ -15,8 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvflow.engine.async_llm import AsyncEngine
-from kvflow.engine.engine_client import EngineDeadError, EngineUnavailableError
+from kvflow.engine.async_llm import AsyncEngine, EngineDeadError, EngineUnavailableError
 from kvflow.engine.request_stream import RequestStream
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
@@ -134,11 +133,11 @@ class BaseServing:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     def check_model(self, model: str | None) -> None:
         if model and model not in self.served_names:
@@ -238,7 +237,7 @@ class BaseServing:
 
     def token_prompt(self, token_ids: list[int]) -> Prompt:
         try:
-            ids = self.engine.engine.tokenize_prompt(token_ids)
+            ids = self.engine.tokenize_prompt(token_ids)
         except ValueError as exc:
             raise ServingError(str(exc), param="prompt") from exc
         return Prompt(None, ids)

@@ -1,21 +1,22 @@
-"""Builds an LLMEngine from EngineArgs: load the model, size the KV cache, resolve the geometry."""
+"""The single-device engine builder: load the model, size the KV cache, resolve the geometry, make
+the runner; returns them as EngineParts for the one assembly (`engine/assembly.py`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvflow.attention import AttentionBackend, AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
-from kvflow.core.perf import ModelShape
 from kvflow.kernels.cpu.build import native_available
 from kvflow.kernels.cpu.host_memory import keep_freed_memory
-from kvflow.kv_events import make_publisher
 from kvflow.model.linear import prepack_for_cpu
 from kvflow.model.loader import (
     load_config,
@@ -27,9 +28,6 @@ from kvflow.model.loader import (
 )
 from kvflow.model.quantize import describe, quantize_model, resolve_quantization
 from kvflow.sampling_params import SamplingParams
-from kvflow.structured.backend import GrammarBackend
-from kvflow.structured.config import StructuredOutputsConfig
-from kvflow.worker import null_runner
 from kvflow.worker.cpu_replay import CpuDecodeReplay
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
@@ -204,12 +202,26 @@ def load_quantized(path: Path, dtype: torch.dtype, device: str, backend, quantiz
     return model, hf_config
 
 
-def build_engine(cls, args, log_steps: bool):
-    """Returns `cls(...)` (an LLMEngine). Raises ValueError naming the numbers and the fix when
-    the KV pool cannot serve one request or an explicit --max-model-len exceeds it."""
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+@dataclass
+class EngineParts:
+    """What a builder makes, for the assembly: everything that depends on where the model
+    runs (one device here, ranks in `tp_builder`)."""
+
+    runner: Any  # the EngineCore's Runner: a ModelRunner, or an executor over ranks
+    path: Path  # the resolved model directory
+    tokenizer: Any
+    hf_config: Any
+    config: EngineConfig
+    dtype: torch.dtype
+    device: str
+    async_scheduling: bool
+    num_gpus: int = 1  # devices the model is split over (the perf counters are per device)
+
+
+def build_parts(args, device: str) -> EngineParts:
+    """The model on one device (`device` resolved: cpu or cuda[:N]) with its KV pool and
+    runner. Raises ValueError naming the numbers and the fix when the KV pool cannot serve one
+    request or an explicit --max-model-len exceeds it."""
     torch.manual_seed(args.seed)
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
@@ -232,25 +244,17 @@ def build_engine(cls, args, log_steps: bool):
         str(dtype).removeprefix("torch."),
         device,
     )
-    engine = cls(
-        EngineConfig(cache, scheduler),
-        null_runner.from_env(runner, hf_config.vocab_size, eos),
+    on_cuda = device.startswith("cuda")
+    return EngineParts(
+        runner,
+        path,
         tokenizer,
-        args.served_model_name or (args.model or "SmolLM2-135M-Instruct"),
-        eos,
-        dtype_name=str(dtype).removeprefix("torch."),
-        device=device,
-        log_steps=log_steps,
-        generation_eos_ids=generation_eos_ids(path),
-        async_scheduling=(
-            device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
-        ),
-        grammar=grammar_backend(args, tokenizer, hf_config.vocab_size, eos, path),
-        model_shape=ModelShape.from_hf_config(hf_config, dtype.itemsize),
-        kv_events=make_publisher(args.kv_events_config, args.block_size),
+        hf_config,
+        EngineConfig(cache, scheduler),
+        dtype,
+        device,
+        on_cuda if args.async_scheduling is None else args.async_scheduling,
     )
-    engine.model_path = path  # the engine process tells its API servers where the tokenizer is
-    return engine
 
 
 def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str, batched: int):
@@ -305,20 +309,6 @@ def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: in
         logger.warning("fault injection is on (KVFLOW_FAULT): %s", faults)
         runner = faults.wrap(runner)
     return runner
-
-
-def grammar_backend(args, tokenizer, logits_vocab_size: int, eos, path) -> GrammarBackend | None:
-    """The xgrammar backend for output constraints, with the logits' vocabulary size; None
-    (constrained requests are refused) when the tokenizer is one xgrammar cannot read."""
-    config = args.structured_outputs_config
-    if not isinstance(config, StructuredOutputsConfig):
-        config = StructuredOutputsConfig.parse(config)
-    stops = sorted({*generation_eos_ids(path), *([] if eos is None else [eos])})
-    try:
-        return GrammarBackend(tokenizer, logits_vocab_size, stops, config)
-    except Exception:
-        logger.exception("structured outputs are off: xgrammar cannot read this tokenizer")
-        return None
 
 
 def generation_eos_ids(path: Path) -> frozenset[int]:

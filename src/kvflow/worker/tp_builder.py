@@ -1,10 +1,11 @@
-"""Builds an LLMEngine whose model runs on `tensor_parallel_size` ranks: this process resolves
-the model (a GGUF is converted here, once, before any rank starts), the tokenizer and the
-geometry; the ranks load their shards and size their KV caches (see tp_worker.py); the
-executor (`mp`: worker/executor.py, `ray`: worker/ray_executor.py) is the EngineCore's runner.
+"""The tensor-parallel engine builder: the model on `tensor_parallel_size` ranks, returned as
+EngineParts for the one assembly (`engine/assembly.py`). This process resolves the model (a
+GGUF is converted here, once, before any rank starts), the tokenizer and the geometry; the
+ranks load their shards and size their KV caches (see tp_worker.py); the executor (`mp`:
+worker/executor.py, `ray`: worker/ray_executor.py) is the EngineCore's runner.
 
-Steps are not overlapped with scheduling (async scheduling is off) and CUDA graphs are not
-captured: every rank runs each step eagerly.
+Steps are not overlapped with scheduling and CUDA graphs are not captured: every rank runs each
+step eagerly, and `--async-scheduling` asked for explicitly is refused.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from kvflow.model.loader import load_config, load_tokenizer, resolve_dtype, resolve_model
+from kvflow.model.quantize import resolve_quantization
 from kvflow.model.tensor_parallel import check_divisible
 from kvflow.worker.builder import (
+    EngineParts,
     default_max_num_batched_tokens,
-    generation_eos_ids,
     load_chat_template,
     model_context_len,
 )
@@ -28,7 +30,9 @@ from kvflow.worker.tp_worker import RankSpec
 logger = logging.getLogger("kvflow.engine")
 
 
-def rank_spec(args, path, device: str, dtype: torch.dtype, batched: int, eos) -> RankSpec:
+def rank_spec(
+    args, path, device: str, dtype: torch.dtype, batched: int, eos, quantization: str
+) -> RankSpec:
     from kvflow.worker.executor import free_port
 
     return RankSpec(
@@ -46,6 +50,7 @@ def rank_spec(args, path, device: str, dtype: torch.dtype, batched: int, eos) ->
         seed=args.seed,
         eos_token_id=eos,
         threads=None,
+        quantization=quantization,
     )
 
 
@@ -60,13 +65,15 @@ def start_executor(backend: str | None, spec: RankSpec):
     return MultiprocExecutor(spec)
 
 
-def build_tp_engine(cls, args, log_steps: bool):
-    """Returns `cls(...)` (an LLMEngine) over started ranks. Raises ValueError for a geometry
-    or head split that cannot serve, RankError when a rank fails to start."""
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+def build_tp_parts(args, device: str) -> EngineParts:
+    """The ranks started, the pool's geometry from their block count. Raises ValueError for a
+    geometry, head split or flag that cannot serve, RankError when a rank fails to start."""
     world = args.tensor_parallel_size
+    if args.async_scheduling:
+        raise ValueError(
+            "--async-scheduling is not available with --tensor-parallel-size above 1 "
+            "(every rank runs each step eagerly)."
+        )
     if device.startswith("cuda") and torch.cuda.device_count() < world:
         raise ValueError(
             f"tensor_parallel_size {world} needs {world} CUDA devices; "
@@ -78,9 +85,15 @@ def build_tp_engine(cls, args, log_steps: bool):
     hf_config = load_config(path)
     check_divisible(hf_config, world)
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    quantization = resolve_quantization(args.quantization, path, device, dtype)
+    if quantization != "none":
+        raise ValueError(
+            f"--quantization {quantization} is not available with --tensor-parallel-size "
+            "above 1 yet: the ranks load bfloat16 or float32 shards."
+        )
     batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
     eos = tokenizer.eos_token_id
-    spec = rank_spec(args, path, device, dtype, batched, eos)
+    spec = rank_spec(args, path, device, dtype, batched, eos, quantization)
     runner = start_executor(args.distributed_executor_backend, spec)
     try:
         cache = CacheConfig(args.block_size, runner.num_blocks, args.enable_prefix_caching)
@@ -97,24 +110,15 @@ def build_tp_engine(cls, args, log_steps: bool):
     scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
     logger.info(
         "tensor parallel: %d ranks (%s); KV cache: %d blocks x %d tokens; max_model_len %d; "
-        "dtype %s; device %s",
+        "dtype %s; quantization %s; device %s",
         world,
         args.distributed_executor_backend or "mp",
         runner.num_blocks,
         args.block_size,
         max_model_len,
         str(dtype).removeprefix("torch."),
+        quantization,
         device,
     )
-    return cls(
-        EngineConfig(cache, scheduler),
-        runner,
-        tokenizer,
-        args.served_model_name or (args.model or "SmolLM2-135M-Instruct"),
-        eos,
-        dtype_name=str(dtype).removeprefix("torch."),
-        device=device,
-        log_steps=log_steps,
-        generation_eos_ids=generation_eos_ids(path),
-        async_scheduling=False,
-    )
+    config = EngineConfig(cache, scheduler)
+    return EngineParts(runner, path, tokenizer, hf_config, config, dtype, device, False, world)

@@ -50,6 +50,7 @@ class RankSpec:
     seed: int
     eos_token_id: int | None
     threads: int | None  # torch threads per rank; None: the CPUs divided by the ranks
+    quantization: str = "none"  # resolved --quantization (model/quantize.py's METHODS)
 
 
 def watch_parent(parent_pid: int) -> None:
