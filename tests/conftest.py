@@ -5,6 +5,7 @@ sizes its own, and tests marked `gpu` skipped where CUDA is not available. Helpe
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -37,14 +38,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
-@pytest.fixture(params=PLACEMENTS)
-def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Where the engine loop of every real server the test starts runs: a thread of the API
-    server, or the engine core process. A test that uses it runs once in each; one marked
-    `placement("process")` runs in that placement only."""
+@pytest.fixture(scope="module", params=PLACEMENTS)
+def placement(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Where the engine loop of every real server a test starts runs: a thread of the API
+    server, or the engine core process. A module's tests run once in each (its module-scoped
+    server fixtures, which take this fixture, too); a test marked `placement("process")` runs
+    in that placement only."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in placement_env(request.param).items():
+            patch.setenv(name, value)
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _only_in_its_placement(request: pytest.FixtureRequest) -> None:
     only = request.node.get_closest_marker("placement")
-    if only is not None and request.param not in only.args:
-        pytest.skip(f"a {only.args[0]} placement test")
-    for name, value in placement_env(request.param).items():
-        monkeypatch.setenv(name, value)
-    return request.param
+    if only is not None and "placement" in request.fixturenames:
+        if request.getfixturevalue("placement") not in only.args:
+            pytest.skip(f"a {only.args[0]} placement test")

@@ -79,8 +79,7 @@ def test_stop_string_abort_and_utility(placement) -> None:
         first = await stream.__anext__()
         client.abort("a")
         rest = [out async for out in stream]
-        await asyncio.sleep(0.2)
-        stats = await client.call_utility("stats", type=EngineStats)
+        stats = await client.call_utility("stats", type=EngineStats)  # after the Abort, in order
         with pytest.raises(RuntimeError, match="no engine method"):
             await client.call_utility("no_such_method")
         loop_stats = await client.call_utility("loop_stats")

@@ -37,7 +37,7 @@ CPU_LIMIT = 0.05  # of one core
 
 
 @pytest.fixture(scope="module")
-def faulty() -> Iterator[ServerProcess]:
+def faulty(placement: str) -> Iterator[ServerProcess]:
     flags = geometry(BLOCK_SIZE, NUM_BLOCKS)
     flags += ["--max-num-seqs", "2", "--max-num-queued-reqs", "2"]
     flags += ["--request-timeout", str(SERVER_TIMEOUT_S), "--log-engine-steps"]

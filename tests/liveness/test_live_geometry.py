@@ -47,7 +47,7 @@ class Served(NamedTuple):
 
 
 @pytest.fixture(scope="module", params=GEOMETRIES, ids=lambda g: f"bs{g[0]}-nb{g[1]}")
-def live(request: pytest.FixtureRequest) -> Iterator[Served]:
+def live(request: pytest.FixtureRequest, placement: str) -> Iterator[Served]:
     block_size, num_blocks = request.param
     with serving(geometry(block_size, num_blocks)) as server:
         yield Served(server, block_size, num_blocks)

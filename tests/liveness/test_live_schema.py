@@ -23,7 +23,7 @@ MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGAT
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[ServerProcess]:
+def live(placement: str) -> Iterator[ServerProcess]:
     flags = [*geometry(16, 64), "--max-model-len", "32", "--request-timeout", "1"]
     with serving(flags) as server:
         yield server

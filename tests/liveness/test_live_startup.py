@@ -49,8 +49,8 @@ def test_sigterm_during_model_load_exits_within_10s() -> None:
 HANDLER_PROBE = """
 import os, pathlib, signal, sys
 from kvflow.paths import scratch
-from kvflow.server.api_server import _install_start_up_signals
-_install_start_up_signals()
+from kvflow.engine.startup import install_start_up_signals
+install_start_up_signals()
 part = pathlib.Path(sys.argv[1])
 part.mkdir()
 try:

@@ -30,7 +30,7 @@ MAX_MODEL_LEN = 1008  # 64 blocks x 16, less the null block
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[ServerProcess]:
+def live(placement: str) -> Iterator[ServerProcess]:
     with serving([*geometry(16, 64), "--max-num-seqs", "8"]) as server:
         yield server
 

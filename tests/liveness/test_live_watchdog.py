@@ -30,7 +30,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def faulty() -> Iterator[ServerProcess]:
+def faulty(placement: str) -> Iterator[ServerProcess]:
     flags = [*geometry(16, 64), "--watchdog-timeout", str(WATCHDOG_S)]
     env = {"KVFLOW_FAULT": f"sleep:{SLEEP_MARK}:{SLEEP_S},raise:{RAISE_MARK}"}
     with serving(flags, env) as server:

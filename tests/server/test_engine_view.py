@@ -6,11 +6,37 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
+import kvflow.server.engine_view as engine_view
 from kvflow.server.generation_defaults import EMBEDDED_MODEL_DEFAULTS, default_sampling_params
 from support.inprocess import LONG, serve, wait
+
+
+class SteppedClock:
+    """engine_view's clock, moved on by the test: a cached snapshot expires when the test
+    says, not after a sleep."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> SteppedClock:
+    stepped = SteppedClock()
+    monkeypatch.setattr(engine_view, "time", stepped)
+    return stepped
 
 
 @pytest.fixture(scope="module")
@@ -20,18 +46,17 @@ def tokenizer():
     return load_tokenizer(resolve_model(None))
 
 
-def test_snapshot_shows_the_running_request_its_blocks_and_why_the_next_waits(tokenizer):
+def test_snapshot_shows_the_running_request_its_blocks_and_why_the_next_waits(tokenizer, clock):
     async def scenario(client, engine, runner) -> dict:
         first = asyncio.create_task(client.post("/v1/completions", json=LONG))
         await wait(lambda: engine.stats().num_running == 1)
         second = asyncio.create_task(client.post("/v1/completions", json=LONG))
         await wait(lambda: engine.stats().num_waiting == 1)
-        await asyncio.sleep(0.3)  # past the snapshot cache's interval
         during = (await client.get("/v1/engine/snapshot")).json()
         for request_id in engine.request_ids():
             engine.abort(request_id)
         await first, await second
-        await asyncio.sleep(0.3)
+        clock.advance(1.0)  # past the snapshot cache's interval
         after = (await client.get("/v1/engine/snapshot")).json()
         return {"during": during, "after": after}
 
@@ -54,10 +79,10 @@ def test_snapshot_shows_the_running_request_its_blocks_and_why_the_next_waits(to
     assert sum(row[fields.index("steps")] for row in rows) > 0
 
 
-def test_snapshots_are_bounded_in_rate_and_shared(tokenizer):
+def test_snapshots_are_bounded_in_rate_and_shared(tokenizer, clock):
     async def scenario(client, engine, runner) -> dict:
         burst = await asyncio.gather(*(client.get("/v1/engine/snapshot") for _ in range(40)))
-        await asyncio.sleep(0.3)
+        clock.advance(1.0)
         later = await client.get("/v1/engine/snapshot")
         bad = await client.get("/v1/engine/snapshot", params={"history_s": -1})
         return {"burst": burst, "later": later, "bad": bad}
@@ -174,8 +199,9 @@ def test_a_snapshot_that_outwaits_a_step_leaves_the_engine_alive(tokenizer, monk
         await wait(lambda: engine.stats().num_running == 1)
         during = []
         for _ in range(3):
+            steps = engine.stats().num_steps
             during.append(await client.get("/v1/engine/snapshot"))
-            await asyncio.sleep(0.3)
+            await wait(lambda s=steps: engine.stats().num_steps > s + 1)
         finished = await done
         await wait(lambda: engine.stats().num_running == 0)
         after = await client.get("/v1/engine/snapshot")

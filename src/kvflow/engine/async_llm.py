@@ -4,16 +4,11 @@ engine loop on a thread of this process, or in the engine core process: `core_cl
     event loop (server)                                              engine loop
     add_request ─ LLMEngine: validate, EngineCoreRequests ─ Add ──►  CoreLoop: EngineCore.step()
     RequestStream ◄─ LLMEngine: detokenize, stop strings ◄── Step ◄── outputs + EngineStats
-                     StatsTracker ─► stat_logger, history
 
-Tokenization, validation, detokenization, stop strings, n > 1 fan-in and the per-request
-timings happen here, on the event loop, in both placements; the loop schedules and runs the
-model. A stop string found here ends its request in the core with an Abort (status stopped);
-the tokens the core made meanwhile are dropped by the OutputProcessor.
-
+Tokenizing, detokenizing, stop strings (an Abort, status stopped, ends the core request), n > 1
+fan-in and the per-request timings happen here, on the event loop, in both placements.
 Liveness: every admitted request gets exactly one terminal output, whatever happens (finish,
-abort, shutdown, engine death). The loop's end is always a message (`core_client`): Dead fails
-every request, `/health` turns 503 and `wait_dead` returns (the server exits 1).
+abort, shutdown, engine death: Dead fails every request, `/health` turns 503, the server exits 1).
 """
 
 from __future__ import annotations
@@ -62,8 +57,7 @@ class AsyncEngine:
         max_num_queued_reqs: int | None = None,
         watchdog_timeout: float = 0.0,
     ) -> None:
-        """`engine`: the front end's LLMEngine, whose core is a core client (a ThreadCore or
-        a ProcessCore)."""
+        """`engine`'s core is a core client (a ThreadCore or a ProcessCore)."""
         self.engine = engine
         self.client = engine.core
         self.stat_logger = stat_logger
@@ -90,8 +84,7 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the client and take its messages; call from the event loop that consumes the
-        outputs."""
+        """Start the client and take its messages; call from the event loop of the outputs."""
         loop = asyncio.get_running_loop()
         self._released.set()
         self.client.start(loop)
@@ -105,20 +98,20 @@ class AsyncEngine:
         self._accepting = False
         if timeout > 0:
             await self._wait(self._released, timeout)
-        if self._live():
-            if self.client.owns_engine:
-                self.client.shutdown()  # Bye comes after the aborts' outputs
-                await self._wait(self._bye, _BYE_TIMEOUT_S)
-            else:  # another API server's requests run on: end only this one's
-                self.engine.abort_request(self.request_ids())
-                await self._wait(self._released, _BYE_TIMEOUT_S)
-        for stream in list(self._streams.values()):
+        live, owner = self._live(), self.client.owns_engine
+        if live and owner:
+            self.client.shutdown()  # the loop aborts everything, then says Bye
+        elif live:  # another API server's requests run on: end only this one's
+            self.engine.abort_request(self.request_ids())
+        for stream in list(self._streams.values()):  # answered now, not behind queued Steps
             if not stream.terminal_queued:
                 stream.put(terminal_output(stream.request_id, stream.n, "abort"))
+        if live:  # the aborts' outputs still come up, for the metrics
+            await self._wait(self._bye if owner else self._released, _BYE_TIMEOUT_S)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the loop (the thread joined, or the engine process stopped and reaped) and
-        the taking of its messages. Idempotent; needs no event loop."""
+        """Stop the loop (its thread joined, or the engine process reaped) and the taking of
+        its messages. Idempotent; needs no event loop."""
         self._accepting = False
         self.client.close(timeout)
         if self._receiver is not None:
@@ -159,10 +152,6 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.accepting and self._started and self.client.alive() and not self.stalled
 
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._streams)
-
     def request_ids(self) -> list[str]:
         """Requests whose consumer has not yet read their terminal output."""
         return list(self._streams)
@@ -176,9 +165,8 @@ class AsyncEngine:
         return self.dead_error or "engine failed"
 
     async def snapshot(self, history_s: int = 120) -> LiveSnapshot:
-        """The scheduler and KV pool as the loop sees them between two steps, with the last
-        `history_s` seconds of per-second stats kept here. Raises EngineUnavailableError when
-        a step outlasts the wait (a stall)."""
+        """The scheduler and KV pool between two steps, with the last `history_s` seconds of
+        per-second stats. Raises EngineUnavailableError when a step outlasts the wait."""
         try:
             call = self.call_utility("snapshot", type=EngineSnapshot)
             engine = await asyncio.wait_for(call, _SNAPSHOT_WAIT_S)
@@ -187,7 +175,7 @@ class AsyncEngine:
         return LiveSnapshot(engine, self.history.series(history_s), self.is_healthy)
 
     async def call_utility(self, method: str, *args: Any, type: Any = Any) -> Any:
-        """Run `method(*args)` of the engine loop, else of its EngineCore, between two steps;
+        """`method(*args)` of the engine loop, else of its EngineCore, run between two steps:
         its plain-data result, decoded as `type`. Raises RuntimeError with the loop's error."""
         if not self._live():
             raise EngineDeadError(self.dead_error or "the engine is not running")
@@ -271,9 +259,8 @@ class AsyncEngine:
 
     def _check_queue(self) -> None:
         """--max-num-queued-reqs: raises EngineUnavailableError (a 503 with Retry-After) when
-        one more request would wait beyond the limit, and counts the refusal. The requests sent
-        and not yet taken by the loop wait too, beyond its free running slots (a burst into an
-        idle engine does not queue)."""
+        one more request would wait beyond the limit (requests the loop has not taken yet wait
+        too, beyond its free running slots: a burst into an idle engine does not queue)."""
         limit = self.max_num_queued_reqs
         if limit is None:
             return

@@ -77,8 +77,8 @@ class ThreadCore(_Commands):
         self._inbox: list[tuple[bytes, wire.Down]] = []
         self._up: asyncio.Queue = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=False)
-        self._core_loop = CoreLoop(core, self, info, watchdog_timeout)
+        loop = CoreLoop(core, self, info, watchdog_timeout)
+        self._thread = threading.Thread(target=loop.run, name="kvflow-engine", daemon=False)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -102,9 +102,6 @@ class ThreadCore(_Commands):
                 logger.error("the engine thread did not stop within %.0f s", timeout)
                 return
         self.core.close()
-
-    def _run(self) -> None:
-        self._core_loop.run()
 
     # ---- the loop's Transport --------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -46,6 +46,49 @@ def sse(model: BaseModel) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class StreamedResponse(Protocol):
+    """What the SSE driver (`sse_events`) asks of a streamed completion or chat completion."""
+
+    id: str
+
+    def opening(self) -> list[BaseModel]:
+        """Chunks sent before any output (a chat's role, an echo)."""
+        ...
+
+    def chunks(self, results: AsyncIterator) -> AsyncIterator[tuple[BaseModel, UsageInfo]]:
+        """One chunk per delta worth sending, each with its own choice's usage."""
+        ...
+
+    def usage_chunk(self) -> BaseModel:
+        """The chunk with no choices and the whole request's usage."""
+        ...
+
+
+async def sse_events(
+    response: StreamedResponse, results: AsyncIterator, options: Any
+) -> AsyncIterator[str]:
+    """The SSE body of a streamed response, for both endpoints: its chunks (each with its own
+    usage under `continuous_usage_stats`), the usage chunk under `include_usage`, an error event
+    if it fails mid-stream, then `data: [DONE]` whatever happened."""
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
+    try:
+        for chunk in response.opening():
+            yield sse(chunk)
+        async for chunk, own_usage in response.chunks(results):
+            if continuous:  # as vLLM: this choice's prompt and tokens
+                chunk.usage = own_usage
+            yield sse(chunk)
+        if include_usage:
+            yield sse(response.usage_chunk())
+    except ServingError as err:
+        yield sse(err.body())
+    except Exception as exc:
+        logger.exception("stream %s failed", response.id)
+        yield sse(ServingError(f"Internal error: {exc}", 500).body())
+    yield SSE_DONE
 
 
 @dataclass
@@ -116,6 +159,8 @@ class BaseServing:
         sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
         self.max_log_len = max_log_len
         # the model's recommended sampling values (generation_defaults.py): fields a request
         # leaves out take them; `max_tokens` caps the request's
@@ -130,14 +175,6 @@ class BaseServing:
         # characters can fit (vLLM's bound, checked before the tokenizer runs). Walking the
         # vocabulary takes ~0.2 s: here at start-up, not on the first request.
         self.max_chars_per_token = max(len(token) for token in self.tokenizer.get_vocab())
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
 
     def check_model(self, model: str | None) -> None:
         if model and model not in self.served_names:

@@ -25,7 +25,6 @@ from kvflow.server.protocol import (
 from kvflow.server.reasoning import get_reasoning_parser
 from kvflow.server.reasoning.think import DeepSeekR1ReasoningParser
 from kvflow.server.serving import (
-    SSE_DONE,
     BaseServing,
     ChoiceState,
     EventStream,
@@ -33,7 +32,7 @@ from kvflow.server.serving import (
     ServingError,
     clamp_logprob,
     clamp_prompt_logprobs,
-    sse,
+    sse_events,
     usage,
 )
 from kvflow.server.tool_choice import ToolConfig, ToolPlan, plan_tools, tool_template
@@ -64,7 +63,7 @@ class ChatServing(BaseServing):
         run = _ChatRun(self, req, request_id, prompt, plan)
         results = self.results(streams, req.request_timeout)
         if req.stream:
-            return EventStream(run.stream(results), streams)
+            return EventStream(sse_events(run, results, req.stream_options), streams)
         return await run.collect(results)
 
     def render_chat(self, req, default_template: str | None = None) -> Prompt:
@@ -225,37 +224,27 @@ class _ChatRun:
             prompt_logprobs=clamp_prompt_logprobs(self.prompt_logprobs),
         )
 
-    async def stream(self, results: AsyncIterator) -> AsyncIterator[str]:
-        options = self.req.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and bool(options and options.continuous_usage_stats)
-        try:
-            # as OpenAI's: a reply that may be tool calls starts with content null, not ""
-            parsed = self.plan.parser is not None or self.serving.tool_config.reasoning_parser
-            for i in range(self.req.n):
-                role = DeltaMessage(role="assistant", content=None if parsed else "")
-                yield sse(self._chunk(i, role, None, None))
-            for i in range(self.req.n if self.echo else 0):
-                yield sse(self._chunk(i, DeltaMessage(content=self.echo), None, None))
-            async for _, output in results:
-                for delta in output.outputs:
-                    chunk = self._delta_chunk(delta)
-                    if chunk is None:
-                        continue
-                    if continuous:  # as vLLM: this choice's tokens
-                        own = {delta.index: self.choices[delta.index]}
-                        chunk.usage = usage([self.prompt], own)
-                    yield sse(chunk)
-            if include_usage:
-                final = self._base([])
-                final.usage = usage([self.prompt], self.choices)
-                yield sse(final)
-        except ServingError as err:
-            yield sse(err.body())
-        except Exception as exc:
-            logger.exception("chat stream %s failed", self.id)
-            yield sse(ServingError(f"Internal error: {exc}", 500).body())
-        yield SSE_DONE
+    def opening(self) -> list[ChatCompletionStreamResponse]:
+        # as OpenAI's: a reply that may be tool calls starts with content null, not ""
+        parsed = self.plan.parser is not None or self.serving.tool_config.reasoning_parser
+        role = DeltaMessage(role="assistant", content=None if parsed else "")
+        opening = [self._chunk(i, role, None, None) for i in range(self.req.n)]
+        if self.echo:
+            echo = DeltaMessage(content=self.echo)
+            opening += [self._chunk(i, echo, None, None) for i in range(self.req.n)]
+        return opening
+
+    async def chunks(self, results: AsyncIterator):
+        async for _, output in results:
+            for delta in output.outputs:
+                chunk = self._delta_chunk(delta)
+                if chunk is not None:
+                    yield chunk, usage([self.prompt], {delta.index: self.choices[delta.index]})
+
+    def usage_chunk(self) -> ChatCompletionStreamResponse:
+        final = self._base([])
+        final.usage = usage([self.prompt], self.choices)
+        return final
 
     def _delta_chunk(self, delta: CompletionOutput) -> ChatCompletionStreamResponse | None:
         pairs = self.choices[delta.index].add(delta)

@@ -22,7 +22,6 @@ from kvflow.server.protocol import (
     random_id,
 )
 from kvflow.server.serving import (
-    SSE_DONE,
     BaseServing,
     ChoiceState,
     EventStream,
@@ -30,7 +29,7 @@ from kvflow.server.serving import (
     ServingError,
     clamp_logprob,
     clamp_prompt_logprobs,
-    sse,
+    sse_events,
     usage,
 )
 
@@ -81,7 +80,8 @@ class CompletionServing(BaseServing):
         streams = self.submit(request_id, prompts, params)
         run = _Run(self, req, request_id, prompts)
         if req.stream:
-            return EventStream(run.stream(self.results(streams, req.request_timeout)), streams)
+            results = self.results(streams, req.request_timeout)
+            return EventStream(sse_events(run, results, req.stream_options), streams)
         return await run.collect(self.results(streams, req.request_timeout))
 
     def _prompts(self, req: CompletionRequest) -> list[Prompt]:
@@ -208,29 +208,20 @@ class _Run:
             usage=usage(self.prompts, self.choices),
         )
 
-    async def stream(self, results: AsyncIterator) -> AsyncIterator[str]:
-        options = self.req.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and bool(options and options.continuous_usage_stats)
-        try:
-            async for i, output in results:
-                for delta in self._outputs(i, output):
-                    chunk = self._chunk(i, delta)
-                    if chunk is None:
-                        continue
-                    if continuous:  # as vLLM: this choice's prompt and tokens
-                        key = chunk.choices[0].index
-                        own = [self.prompts[key // self.req.n]]
-                        chunk.usage = usage(own, {key: self.choices[key]})
-                    yield sse(chunk)
-            if include_usage:
-                yield sse(self._chunk_base([], usage(self.prompts, self.choices)))
-        except ServingError as err:
-            yield sse(err.body())
-        except Exception as exc:
-            logger.exception("completion stream %s failed", self.id)
-            yield sse(ServingError(f"Internal error: {exc}", 500).body())
-        yield SSE_DONE
+    def opening(self) -> list[CompletionStreamResponse]:
+        return []
+
+    async def chunks(self, results: AsyncIterator):
+        async for i, output in results:
+            for delta in self._outputs(i, output):
+                chunk = self._chunk(i, delta)
+                if chunk is not None:
+                    key = chunk.choices[0].index
+                    own = [self.prompts[key // self.req.n]]
+                    yield chunk, usage(own, {key: self.choices[key]})
+
+    def usage_chunk(self) -> CompletionStreamResponse:
+        return self._chunk_base([], usage(self.prompts, self.choices))
 
     def _chunk(self, i: int, delta: CompletionOutput) -> CompletionStreamResponse | None:
         key, text, logprobs = self._fold(i, delta)
