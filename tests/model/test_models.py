@@ -158,6 +158,8 @@ def test_bf16_prepack_releases_linear_weights_and_changes_no_logit(checkpoint, m
     model, _ = load_model(path, torch.bfloat16, attn_backend=cpu_paged_attention)
     linear.prepack_for_cpu(model)
     linears = [m for m in model.modules() if isinstance(m, linear.Linear)]
+    if not any(m.packed is not None for m in linears):  # no oneDNN bf16 packing on this CPU
+        pytest.skip("one packing only (native): every Linear keeps its weight")
     assert linears and all(m.weight.untyped_storage().nbytes() <= 2 for m in linears)
     assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in kept.parameters())
     head = getattr(model, "lm_head", None)
