@@ -1,7 +1,8 @@
 """`--distributed-executor-backend ray`: on a private local Ray cluster (127.0.0.1) the ranks,
-Ray actors in a placement group, give the tokens the `mp` ranks give; when the kvflow process
-is done no process of the cluster (raylet, GCS, workers, actors) is left: the whole process
-tree under kvflow is read from /proc before the exit and checked gone after it."""
+Ray actors in a placement group, give the tokens the `mp` ranks give, here with `--quantization
+gguf` (each actor holds the bytes of the file's blocks an `mp` rank holds); when the kvflow
+process is done no process of the cluster (raylet, GCS, workers, actors) is left: the whole
+process tree under kvflow is read from /proc before the exit and checked gone after it."""
 
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ def tree(pid):
 
 prompts = ["The capital of France is", "def add(a, b):", "Red, green,"]
 params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-engine = dict(dtype="float32", num_blocks=32, tensor_parallel_size=2)
-tokens = {}
+engine = dict(dtype="float32", num_blocks=32, tensor_parallel_size=2, quantization="gguf")
+tokens, held = {}, {}
 for backend in ("mp", "ray"):
     llm = LLM(**engine, distributed_executor_backend=backend)
     tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     descendants = tree(__import__("os").getpid())
+    held[backend] = [r.quantized_bytes for r in llm.engine.core.runner.loaded]
     llm.engine.core.runner.shutdown()
-print(json.dumps({"tokens": tokens, "ray_tree": descendants}))
+print(json.dumps({"tokens": tokens, "held": held, "ray_tree": descendants}))
 """
 
 
@@ -60,6 +62,7 @@ def test_ray_ranks_give_mp_tokens_and_leave_no_process() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["tokens"]["ray"] == result["tokens"]["mp"]
+    assert result["held"]["ray"] == result["held"]["mp"] and min(result["held"]["ray"]) > 0
     tree = result["ray_tree"]
     assert len(tree) >= 4  # the GCS, the raylet and the two rank actors at least
     assert not [pid for pid in tree if _alive(pid)]

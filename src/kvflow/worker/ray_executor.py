@@ -25,7 +25,7 @@ from typing import Any
 
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
 from kvflow.worker.executor import _LIVE, STOP_GRACE_S, RankError
-from kvflow.worker.tp_worker import RankSpec, RankWorker, fault_at_start
+from kvflow.worker.tp_worker import RankLoaded, RankSpec, RankWorker, fault_at_start
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -49,7 +49,7 @@ class RankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def start(self, spec: RankSpec, rank: int) -> int:
+    def start(self, spec: RankSpec, rank: int) -> RankLoaded:
         fault_at_start(rank)
         self.worker = RankWorker(spec, rank)
         return self.worker.load()
@@ -70,8 +70,8 @@ class RankActor:
 
 
 class RayExecutor:
-    """A Runner over Ray actors; `num_blocks` as MultiprocExecutor's. Raises RankError when a
-    rank fails to start."""
+    """A Runner over Ray actors; `loaded` and `num_blocks` as MultiprocExecutor's. Raises
+    RankError when a rank fails to start."""
 
     def __init__(self, spec: RankSpec) -> None:
         import ray
@@ -101,7 +101,8 @@ class RayExecutor:
             # each actor sees only its own GPU: every rank's device is cuda:0 there
             spec = replace(spec, init_method=f"tcp://{host}:{port}")
             starts = [a.start.remote(spec, r) for r, a in enumerate(self.actors)]
-            self.num_blocks = min(self._get(starts, "at start-up"))
+            self.loaded = self._get(starts, "at start-up")
+            self.num_blocks = min(r.num_blocks for r in self.loaded)
             self._follow_refs = [a.follow.remote() for a in self.actors[1:]]
         except BaseException:
             self.shutdown()

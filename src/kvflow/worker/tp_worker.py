@@ -7,7 +7,8 @@ CPU group (`TPGroup.broadcast_object`); every rank runs the same step (same coll
 same order) and samples from the same gathered logits with the same seeds, and rank 0 sends its
 output back. Rank 0's messages (the executor's `ctl` callable answers them):
 
-    start-up   ("ready", num_blocks) from every rank, or ("error", traceback) and exit 1
+    start-up   ("ready", RankLoaded's fields as a dict) from every rank, or ("error", traceback)
+               and exit 1
     a step     ("step", SchedulerOutput) -> ("output", ModelRunnerOutput) | ("error", traceback)
     the end    ("stop",): broadcast as None, every rank leaves its loop and exits 0
 
@@ -23,7 +24,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 logger = logging.getLogger("kvflow.worker")
@@ -51,6 +52,17 @@ class RankSpec:
     eos_token_id: int | None
     threads: int | None  # torch threads per rank; None: the CPUs divided by the ranks
     quantization: str = "none"  # resolved --quantization (model/quantize.py's METHODS)
+
+
+@dataclass(frozen=True)
+class RankLoaded:
+    """What a rank reports once loaded: the pool's block count (the minimum over the ranks)
+    and its quantized weights' bytes with the bytes of the weights they replace (0, 0
+    without --quantization)."""
+
+    num_blocks: int
+    quantized_bytes: int
+    replaced_bytes: int
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -91,8 +103,8 @@ class RankWorker:
         self.group = TPGroup.init(rank, spec.world_size, spec.init_method, self.device)
         self.runner: Any = None
 
-    def load(self) -> int:
-        """Load the shard, size and allocate the KV cache; returns the pool's block count."""
+    def load(self) -> RankLoaded:
+        """Load the shard, size and allocate the KV cache."""
         import torch
 
         from kvflow.model.loader import resolve_dtype
@@ -102,8 +114,9 @@ class RankWorker:
 
         spec, device = self.spec, self.device
         dtype = resolve_dtype(spec.dtype, None, device)
-        model, hf_config = load_shard(
-            spec.model_path, dtype, device, self.group, attention_backend(device)
+        backend = attention_backend(device)
+        model, hf_config, quantized = load_shard(
+            spec.model_path, dtype, device, self.group, backend, spec.quantization
         )
         if device == "cpu":
             from kvflow.kernels.cpu.build import native_available
@@ -123,7 +136,7 @@ class RankWorker:
         )
         # every rank's generator in the same state: their samplers draw the same tokens
         torch.manual_seed(spec.seed)
-        return num_blocks
+        return RankLoaded(num_blocks, *quantized)
 
     def _own_blocks(self, model: Any, hf_config: Any, per_block: int) -> int:
         """What this rank's memory allows: --num-blocks, else --kv-cache-memory (per rank, as
@@ -205,7 +218,7 @@ def run_rank(spec: RankSpec, rank: int, ctl: Any) -> None:
     try:
         fault_at_start(rank)
         worker = RankWorker(spec, rank)
-        ctl(("ready", worker.load()))
+        ctl(("ready", asdict(worker.load())))  # plain: this module is __main__
     except BaseException:
         ctl(("error", traceback.format_exc()))
         raise
