@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
+from kvflow.structured.wire import GrammarSender
 from kvflow.worker.tp_worker import RankLoaded, RankSpec
 
 logger = logging.getLogger("kvflow.engine")
@@ -144,6 +145,7 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self.step_send_s = 0.0  # time spent pickling and sending steps (benchmarks)
+        self._grammars = GrammarSender()
 
     @property
     def pids(self) -> list[int]:
@@ -197,7 +199,7 @@ class MultiprocExecutor:
             raise RankError("the tensor-parallel ranks are stopped")
         start = time.perf_counter()
         try:
-            self.conns[0].send(("step", scheduler_output))
+            self.conns[0].send(("step", self._grammars.encode(scheduler_output)))
         except OSError:
             self._raise_if_dead("before a step")
             raise

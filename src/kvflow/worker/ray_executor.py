@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
+from kvflow.structured.wire import GrammarSender
 from kvflow.worker.executor import _LIVE, STOP_GRACE_S, RankError
 from kvflow.worker.tp_worker import RankLoaded, RankSpec, RankWorker, fault_at_start
 
@@ -84,6 +85,7 @@ class RayExecutor:
         self.actors: list[Any] = []
         self._pg = None
         self._follow_refs: list[Any] = []
+        self._grammars = GrammarSender()
         _LIVE.add(self)
         self._connect()
         try:
@@ -157,7 +159,7 @@ class RayExecutor:
     def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         if self._closed:
             raise RankError("the tensor-parallel ranks are stopped")
-        ref = self.actors[0].step.remote(scheduler_output)
+        ref = self.actors[0].step.remote(self._grammars.encode(scheduler_output))
         return lambda: self._wait_output(ref)
 
     def _wait_output(self, ref: Any) -> ModelRunnerOutput:

@@ -91,6 +91,7 @@ class RankWorker:
         import torch
 
         from kvflow.distributed.group import TPGroup
+        from kvflow.structured.wire import GrammarReceiver
 
         self.spec, self.rank = spec, rank
         self.device = rank_device(spec, rank)
@@ -102,6 +103,7 @@ class RankWorker:
         torch.manual_seed(spec.seed)
         self.group = TPGroup.init(rank, spec.world_size, spec.init_method, self.device)
         self.runner: Any = None
+        self.grammars = GrammarReceiver()
 
     def load(self) -> RankLoaded:
         """Load the shard, size and allocate the KV cache."""
@@ -172,7 +174,9 @@ class RankWorker:
         return max(int(total * spec.gpu_memory_utilization) - step, 0) // per_block
 
     def step(self, sched: Any) -> Any:
-        return self.runner.launch(sched)()
+        """Run one step as the executor sent it (its grammars as `structured.wire` sends
+        them)."""
+        return self.runner.launch(self.grammars.decode(sched))()
 
     def follow(self) -> None:
         """A rank other than 0: run every broadcast step until the broadcast of None."""
