@@ -11,6 +11,9 @@ are tests/engine/test_tp_parity.py's).
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import (
@@ -23,9 +26,13 @@ from transformers import (
 )
 
 from kvflow.attention.cpu import cpu_paged_attention
+from kvflow.distributed.group import TPGroup
 from kvflow.model import load_model
-from kvflow.model.parallel_layers import head_partition, split_evenly
+from kvflow.model.linear import Linear
+from kvflow.model.parallel_layers import RowParallelLinear, head_partition, split_evenly
+from kvflow.model.quant_format import QuantizedWeight
 from kvflow.model.quantize import quantize_model
+from kvflow.model.registry import get_model_class
 from kvflow.worker.executor import free_port
 from kvflow.worker.kv_cache import allocate_kv_caches
 from support.tp_ranks import BLOCK_SIZE, NUM_BLOCKS, rank_main, run_steps
@@ -153,3 +160,20 @@ def test_two_ranks_give_one_ranks_logits(tmp_path) -> None:
             exact = refs[key.replace("bfloat16", "float32")][step]
             ours_err, one_rank_err = (ours - exact).abs().max(), (ref - exact).abs().max()
             assert ours_err <= 2 * one_rank_err + 1e-3, (key, step, ours_err, one_rank_err)
+
+
+def test_quantized_splits_a_layer_cannot_take_are_refused_by_name() -> None:
+    """A GGUF input split inside a 32-column block (96 columns at TP=2: 48 + 48) names the type,
+    the columns and the TP size; `quantize_model` names the layer (int8 of 48 columns)."""
+    down = RowParallelLinear.cut(Linear(96, 8), TPGroup(rank=0, world_size=2))
+    half = dict(dtype=torch.float16)
+    weight = QuantizedWeight(
+        torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 3, **half),
+        torch.zeros(8, 3, **half), 4, 32, 96, "Q4_0",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Q4_0 weight: columns 0\.\.48 of 96 .*_size 2 splits"):
+        down.quant_part(weight, 0)
+    config = LlamaConfig(**{**LLAMA, "hidden_size": 48, "num_attention_heads": 6})
+    model = get_model_class("LlamaForCausalLM")(config)
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.qkv_proj: int8 .* 48$"):
+        quantize_model(model, "int8", Path("unused"))
