@@ -152,10 +152,10 @@ class MultiprocExecutor:
         return [p.pid for p in self.procs]
 
     def _await_ready(self, timeout_s: float) -> list[RankLoaded]:
-        blocks: dict[int, RankLoaded] = {}
+        ready_ranks: dict[int, RankLoaded] = {}
         deadline = time.monotonic() + timeout_s
-        while len(blocks) < len(self.procs):
-            waiting = [c for r, c in enumerate(self.conns) if r not in blocks]
+        while len(ready_ranks) < len(self.procs):
+            waiting = [c for r, c in enumerate(self.conns) if r not in ready_ranks]
             left = deadline - time.monotonic()
             ready = wait(waiting + [p.sentinel for p in self.procs], timeout=max(left, 0))
             if not ready:
@@ -167,9 +167,9 @@ class MultiprocExecutor:
                         raise RankError(
                             f"tensor-parallel rank {rank} failed at start-up:\n{message[1]}"
                         )
-                    blocks[rank] = RankLoaded(**message[1])
+                    ready_ranks[rank] = RankLoaded(**message[1])
             self._raise_if_dead("at start-up")
-        return [blocks[rank] for rank in range(len(self.procs))]
+        return [ready_ranks[rank] for rank in range(len(self.procs))]
 
     def _recv(self, rank: int) -> tuple:
         try:
