@@ -378,3 +378,35 @@ def test_quantized_embedding_rows_are_the_prompt_steps_values() -> None:
     ids = torch.tensor([7, 39, 0, 7])
     rows = quant_kernels.embedding(ids, weight, torch.bfloat16)
     assert torch.equal(rows, quant_kernels.dequantize(weight, torch.bfloat16)[ids])
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_a_ranks_rows_and_columns_hold_the_whole_weights_values(kind: str) -> None:
+    """The cuts tensor parallelism makes: output rows (those past the end zero, as a padded
+    vocabulary shard's), and input columns at 32-column blocks, also inside a K-quant's
+    256-column super-block (its scale is folded into each group's); a cut inside a block is
+    refused with the type and the columns."""
+    weight = from_gguf_blocks(gguf_tensor(kind, 6, 512), kind, 512)
+    whole = weight.dequantize(torch.float32)
+    part = weight.columns(96, 320)
+    assert part.in_features == 320 and part.kind == kind
+    assert torch.equal(part.dequantize(torch.float32), whole[:, 96:416])
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(0))
+    expected = (x.double() @ whole[:, 96:416].double().T).float()  # float32 sums: 1e-4
+    torch.testing.assert_close(
+        quant_kernels.quant_linear(x, part, None), expected, rtol=1e-4, atol=1e-4
+    )
+    rows = weight.row_range(4, 4)
+    assert torch.equal(rows.dequantize(torch.float32), torch.cat((whole[4:], torch.zeros(2, 512))))
+    with pytest.raises(ValueError, match=f"{kind} weight: columns 16..48 of 512 .*32-column"):
+        weight.columns(16, 32)
+
+
+def test_int8_of_a_column_shard_scaled_by_the_whole_row_is_the_whole_weights() -> None:
+    """A row-parallel rank's int8 codes and scales (`row_max`: each row's max over all its
+    columns) are the unsplit weight's; the shard's own max would give other values."""
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(3))
+    whole = quantize_int8(w).dequantize(torch.float32)
+    shard = quantize_int8(w[:, 64:], row_max=w.abs().amax(dim=1))
+    assert torch.equal(shard.dequantize(torch.float32), whole[:, 64:])
+    assert not torch.equal(quantize_int8(w[:, 64:]).dequantize(torch.float32), whole[:, 64:])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflow.model import resolve_model
-from kvflow.model.gguf_quant import QUANT_FILE, gguf_weights, quant_file
+from kvflow.model.gguf_quant import QUANT_FILE, GgufWeights, quant_file
 from kvflow.model.quantize import resolve_quantization
 from kvflow.server.args import add_serve_arguments, engine_args_from
 
@@ -70,12 +70,12 @@ def test_repacked_weights_are_the_conversions_values(smollm2) -> None:
     dequantization of the same blocks), q/k rows included (un-interleaved)."""
     from safetensors import safe_open
 
-    weights = gguf_weights(smollm2)
-    assert {w.kind for w in weights.values()} == {"Q4_1", "Q8_0"}
+    weights = GgufWeights(smollm2)
+    assert set(weights.kinds.values()) == {"Q4_1", "Q8_0"}
     names = ["model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight"]
     names += ["model.layers.3.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"]
     with safe_open(str(smollm2 / "model.safetensors"), framework="pt") as floats:
         for name in names:
             expected = floats.get_tensor(name)
-            got = weights[name].dequantize(torch.float32)
+            got = weights.get(name).dequantize(torch.float32)
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)

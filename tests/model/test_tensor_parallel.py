@@ -4,11 +4,16 @@ chunks and decodes in the paged cache, in float32 (1e-4) and bfloat16 (bf16 roun
 
 The checkpoints cover the head splits: even, KV heads replicated (1 KV head, 2 ranks), uneven
 (3 KV groups on 2 ranks: 4 + 2 query heads, as the embedded SmolLM2's 9 heads), an MLP width
-and a vocabulary that do not divide by two (padded vocabulary shards).
+and a vocabulary that do not divide by two (padded vocabulary shards); one is quantized
+(`--quantization int8`: every rank holds the values one device holds; the embedded GGUF's cuts
+are tests/engine/test_tp_parity.py's).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import (
@@ -21,8 +26,13 @@ from transformers import (
 )
 
 from kvflow.attention.cpu import cpu_paged_attention
+from kvflow.distributed.group import TPGroup
 from kvflow.model import load_model
-from kvflow.model.parallel_layers import head_partition, split_evenly
+from kvflow.model.linear import Linear
+from kvflow.model.parallel_layers import RowParallelLinear, head_partition, split_evenly
+from kvflow.model.quant_format import QuantizedWeight
+from kvflow.model.quantize import quantize_model
+from kvflow.model.registry import get_model_class
 from kvflow.worker.executor import free_port
 from kvflow.worker.kv_cache import allocate_kv_caches
 from support.tp_ranks import BLOCK_SIZE, NUM_BLOCKS, rank_main, run_steps
@@ -56,6 +66,11 @@ def _configs() -> dict:
         "mistral-window": MistralConfig(**LLAMA, sliding_window=6),
         "qwen2-tied": Qwen2Config(**LLAMA, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**LLAMA, head_dim=32, use_sliding_window=True, sliding_window=5),
+        # --quantization int8: the tied head's vocabulary shard padded, row-parallel scales
+        # from whole rows (every input split a multiple of 32 columns, as int8 needs)
+        "llama-int8": LlamaConfig(
+            **{**LLAMA, "intermediate_size": 128, "vocab_size": 257}, tie_word_embeddings=True
+        ),
         "opt": OPTConfig(**COMMON, vocab_size=256, ffn_dim=96, max_position_embeddings=64),
         "opt-postnorm-proj": OPTConfig(
             **COMMON,
@@ -112,25 +127,29 @@ def test_head_partition_covers_every_head_once() -> None:
 
 
 def test_two_ranks_give_one_ranks_logits(tmp_path) -> None:
-    jobs, refs = [], {}
+    jobs, refs, one_rank_bytes = [], {}, {}
     for i, (name, config) in enumerate(_configs().items()):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _randomize(hf, seed=i)
         path = tmp_path / name
         hf.save_pretrained(path)
         dtypes = ["float32", "bfloat16"] if name in ("llama-uneven", "opt") else ["float32"]
+        method = "int8" if name.endswith("int8") else "none"
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
             model, cfg = load_model(path, dtype, attn_backend=cpu_paged_attention)
+            one_rank_bytes[name] = quantize_model(model, method, path)[0]
             caches = allocate_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
             refs[f"{name}/{dtype_name}"] = run_steps(model, caches, STEPS, BLOCK_IDS)
-            jobs.append((f"{name}/{dtype_name}", str(path), dtype_name))
+            jobs.append((f"{name}/{dtype_name}", str(path), dtype_name, method))
     out = str(tmp_path / "tp2.pt")
     mp.spawn(rank_main, args=(2, free_port(), jobs, STEPS, BLOCK_IDS, out), nprocs=2)
     got = torch.load(out)
     assert set(got) == set(refs)
+    rank0_bytes, one_bytes = got["llama-int8/float32"][1][0], one_rank_bytes["llama-int8"]
+    assert 0.3 * one_bytes < rank0_bytes < 0.7 * one_bytes  # its part of the int8 weights
     for key, ref_steps in refs.items():
-        for step, (ours, ref) in enumerate(zip(got[key], ref_steps, strict=True)):
+        for step, (ours, ref) in enumerate(zip(got[key][0], ref_steps, strict=True)):
             assert ours.dtype == torch.float32 and ours.shape == ref.shape, key
             if key.endswith("float32"):
                 torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4, msg=f"{key} {step}")
@@ -141,3 +160,20 @@ def test_two_ranks_give_one_ranks_logits(tmp_path) -> None:
             exact = refs[key.replace("bfloat16", "float32")][step]
             ours_err, one_rank_err = (ours - exact).abs().max(), (ref - exact).abs().max()
             assert ours_err <= 2 * one_rank_err + 1e-3, (key, step, ours_err, one_rank_err)
+
+
+def test_quantized_splits_a_layer_cannot_take_are_refused_by_name() -> None:
+    """A GGUF input split inside a 32-column block (96 columns at TP=2: 48 + 48) names the type,
+    the columns and the TP size; `quantize_model` names the layer (int8 of 48 columns)."""
+    down = RowParallelLinear.cut(Linear(96, 8), TPGroup(rank=0, world_size=2))
+    half = dict(dtype=torch.float16)
+    weight = QuantizedWeight(
+        torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 3, **half),
+        torch.zeros(8, 3, **half), 4, 32, 96, "Q4_0",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Q4_0 weight: columns 0\.\.48 of 96 .*_size 2 splits"):
+        down.quant_part(weight, 0)
+    config = LlamaConfig(**{**LLAMA, "hidden_size": 48, "num_attention_heads": 6})
+    model = get_model_class("LlamaForCausalLM")(config)
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.qkv_proj: int8 .* 48$"):
+        quantize_model(model, "int8", Path("unused"))

@@ -32,17 +32,18 @@ def run_steps(model, caches, steps, block_ids) -> list[torch.Tensor]:
 
 
 def rank_main(rank: int, world: int, port: int, jobs: list, steps, block_ids, out: str) -> None:
-    """jobs: (name, checkpoint path, dtype name); rank 0 saves {name: [logits per step]}."""
+    """jobs: (name, checkpoint path, dtype name, --quantization); rank 0 saves {name:
+    ([logits per step], its (quantized bytes, bytes they replace))}."""
     torch.set_num_threads(1)
     group = TPGroup.init(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=120)
     results = {}
-    for name, path, dtype_name in jobs:
+    for name, path, dtype_name, method in jobs:
         dtype = getattr(torch, dtype_name)
-        model, cfg = load_shard(path, dtype, "cpu", group, cpu_paged_attention)
+        model, cfg, quantized = load_shard(path, dtype, "cpu", group, cpu_paged_attention, method)
         layers, kv_heads, head_dim = kv_cache_shape_for_rank(cfg, group)
         shape = (2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim)
         caches = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        results[name] = run_steps(model, caches, steps, block_ids)
+        results[name] = (run_steps(model, caches, steps, block_ids), quantized)
     if rank == 0:
         torch.save(results, out + ".tmp")
         os.replace(out + ".tmp", out)

@@ -1,6 +1,7 @@
 """Plain data that crosses the scheduler -> runner -> scheduler boundary: ints and lists, and a
-request's sampling params and compiled grammar, opaque here (the runner reads them; neither
-crosses a process boundary in these messages).
+request's sampling params and compiled grammar, opaque here (the runner reads them). To the
+tensor-parallel ranks these messages are pickled, the compiled grammar as `structured.wire`
+sends it.
 
 New requests are sent whole once; afterwards only diffs (new blocks, the computed counter).
 A preempted request is sent whole again when it resumes.

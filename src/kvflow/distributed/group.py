@@ -100,6 +100,13 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest of the ranks' `x` (a CPU tensor), in place, over the gloo
+        CPU group (start-up: a row-parallel layer's row maxima)."""
+        if self.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return x
+
     def destroy(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -42,10 +42,12 @@ class Fp8Weight:
         return (self.codes.double() * self.scales.double()[:, None]).to(dtype)
 
 
-def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
-    """Per-output-channel FP8 (e4m3fn, round to nearest) of a weight [N, K]."""
+def quantize_fp8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> Fp8Weight:
+    """Per-output-channel FP8 (e4m3fn, round to nearest) of a weight [N, K]. `row_max` [N]:
+    each row's max |w| when `weight` holds only some of the row's columns (a row-parallel
+    shard), so that the codes and scales are those of the whole weight."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / FP8_MAX
+    scale = (w.abs().amax(dim=1) if row_max is None else row_max.float()) / FP8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return Fp8Weight(codes.contiguous(), scale.contiguous())

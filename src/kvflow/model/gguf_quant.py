@@ -38,16 +38,23 @@ def source_gguf(converted: Path) -> Path | None:
     return gguf if gguf.is_file() else None
 
 
-def gguf_weights(converted: Path) -> dict[str, QuantizedWeight]:
-    """The quantized weights of the GGUF behind `converted`, by checkpoint tensor name."""
-    from safetensors import safe_open
+class GgufWeights:
+    """The quantized weights of the GGUF behind a conversion, by checkpoint tensor name, each
+    read from the repacked file when asked for: a loader holds one whole tensor at a time
+    beside the parts it keeps (a tensor-parallel rank keeps its slice of each)."""
 
-    path = quant_file(converted)
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        kinds = json.loads(f.metadata()["kinds"])
-        return {
-            name: QuantizedWeight.from_state(f.get_tensor, name, k) for name, k in kinds.items()
-        }
+    def __init__(self, converted: Path) -> None:
+        from safetensors import safe_open
+
+        self._file = safe_open(str(quant_file(converted)), framework="pt", device="cpu")
+        self.kinds: dict[str, str] = json.loads(self._file.metadata()["kinds"])  # name -> type
+
+    def get(self, name: str) -> QuantizedWeight | None:
+        """Tensor `name`, read now (None: no quantized tensor of that name)."""
+        kind = self.kinds.get(name)
+        return (
+            None if kind is None else QuantizedWeight.from_state(self._file.get_tensor, name, kind)
+        )
 
 
 def quant_file(converted: Path) -> Path:

@@ -28,6 +28,7 @@ from kvflow.model.linear import (  # noqa: F401 (re-exported for the architectur
     norm_linear,
     prepack_for_cpu,
 )
+from kvflow.model.quant_format import QuantizedWeight
 
 
 @contextlib.contextmanager
@@ -56,6 +57,11 @@ class Embedding(nn.Embedding):
         if self.quant is not None:
             return quant_kernels.embedding(ids, self.quant, self.weight.dtype)
         return super().forward(ids)
+
+    def quant_part(self, weight: QuantizedWeight, shard_id: int) -> QuantizedWeight:
+        """What this table holds of a checkpoint's quantized table: all of it (a vocab-parallel
+        shard's rows: `parallel_layers`)."""
+        return weight
 
     def reset_parameters(self) -> None:
         """Left uninitialised on purpose: the loader overwrites every parameter."""

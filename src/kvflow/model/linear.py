@@ -15,6 +15,7 @@ from kvflow.kernels.cpu.linear import bf16_linear, pack_linear_weight
 from kvflow.kernels.cpu.onednn import onednn_linear, pack_weight
 from kvflow.kernels.select import fused_ops, one_row_ops
 from kvflow.model import quant_kernels
+from kvflow.model.quant_format import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,16 @@ class Linear(nn.Linear):
         if self.quant is not None:
             return quant_kernels.apply(x, self.quant, self.bias)
         return linear(x, self.weight, self.bias, self.packed, self.native)
+
+    def quant_part(self, weight: QuantizedWeight, shard_id: int) -> QuantizedWeight:
+        """What this layer holds of fused shard `shard_id` of a checkpoint's quantized weight:
+        all of it (a tensor-parallel layer's slice: `parallel_layers`)."""
+        return weight
+
+    def row_absmax(self) -> torch.Tensor | None:
+        """Each output row's max |w| over the checkpoint's whole row, where this layer holds
+        only some of the row's columns (a row-parallel shard); None: it holds whole rows."""
+        return None
 
     def reset_parameters(self) -> None:
         """Left uninitialised on purpose: the loader overwrites every parameter."""

@@ -6,7 +6,10 @@ make the ranks' outputs add up to the unsharded layer's.
     vocab-parallel   embedding rows and LM-head rows split; lookups all-reduced, logits gathered
 
 Each parameter's loader takes the whole checkpoint tensor, copies this rank's slice and returns
-how many elements it copied (`load_weights` checks that every parameter was filled). Splits
+how many elements it copied (`load_weights` checks that every parameter was filled); quantized
+weights are cut the same way (`quant_part`: a GGUF tensor's rows, or its input columns at whole
+32-column blocks), and a row-parallel layer's int8 / fp8 codes are scaled by the max of the
+whole row (`row_absmax`), so every rank holds the values one device holds. Splits
 need not be even: ranks take whole KV-head groups (`head_partition`), so the embedded SmolLM2
 (9 query heads in 3 groups) runs at TP=2 as 6 + 3 heads.
 """
@@ -16,12 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.group import TPGroup
+from kvflow.model import quant_kernels
 from kvflow.model.layers import Embedding
 from kvflow.model.linear import Linear, MergedLinear, linear
+from kvflow.model.quant_format import QuantizedWeight
 
 
 def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -102,6 +106,9 @@ class ColumnParallelLinear(MergedLinear):
         target = param.data[offset : offset + self.output_sizes[shard]]
         return _copy_rows(target, loaded, self.starts[shard], self.output_sizes[shard])
 
+    def quant_part(self, weight: QuantizedWeight, shard_id: int) -> QuantizedWeight:
+        return weight.row_range(self.starts[shard_id], self.output_sizes[shard_id])
+
 
 def qkv_parallel(module: MergedLinear, shard: HeadShard, head_dim: int) -> ColumnParallelLinear:
     """The fused q | k | v projection cut to this rank's query and KV heads."""
@@ -139,8 +146,26 @@ class RowParallelLinear(Linear):
         param.data.copy_(part)
         return part.numel()
 
+    def quant_part(self, weight: QuantizedWeight, shard_id: int) -> QuantizedWeight:
+        try:
+            return weight.columns(self.start, self.in_features)
+        except ValueError as e:
+            raise ValueError(
+                f"{e}, where tensor_parallel_size {self.group.world_size} splits its input "
+                "(serve it with another --tensor-parallel-size or --quantization none)"
+            ) from None
+
+    def row_absmax(self) -> torch.Tensor:
+        """The max over every rank's columns: one all-reduce (each rank calls it in turn)."""
+        local = self.weight.abs().amax(dim=1).float().cpu()
+        return self.group.all_reduce_max(local).to(self.weight.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.all_reduce(linear(x, self.weight, None, self.packed, self.native))
+        if self.quant is not None:
+            partial = quant_kernels.apply(x, self.quant, None)
+        else:
+            partial = linear(x, self.weight, None, self.packed, self.native)
+        out = self.group.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 
@@ -165,10 +190,13 @@ class VocabParallelEmbedding(Embedding):
     ) -> int:
         return _copy_rows(param, loaded, self.vocab_start, self.num_embeddings)
 
+    def quant_part(self, weight: QuantizedWeight, shard_id: int) -> QuantizedWeight:
+        return weight.row_range(self.vocab_start, self.num_embeddings)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = super().forward(local.masked_fill(outside, 0))  # quantized rows where quantized
         return self.group.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
@@ -184,3 +212,6 @@ class ParallelLMHead(Linear):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
     ) -> int:
         return _copy_rows(param, loaded, self.vocab_start, self.out_features)
+
+    def quant_part(self, weight: QuantizedWeight, shard_id: int) -> QuantizedWeight:
+        return weight.row_range(self.vocab_start, self.out_features)

@@ -16,6 +16,7 @@ bits, group 32; Q6_K -> 8 bits, group 16. `quantize_int8` makes the int8 weight-
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +85,38 @@ class QuantizedWeight:
         pick = [t.index_select(0, index).contiguous() for t in (self.codes, self.scales, self.mins)]
         return QuantizedWeight(*pick, self.bits, self.group, self.in_features, self.kind)
 
+    def row_range(self, start: int, count: int) -> QuantizedWeight:
+        """Rows [start, start + count), those past the weight's end zero (codes, scales and mins
+        zero: the value 0, as a padded vocabulary shard's rows are). Copies: the whole weight's
+        memory is not held by the part."""
+        parts = []
+        for t in (self.codes, self.scales, self.mins):
+            part = t[start : start + count]
+            padding = t.new_zeros((count - part.shape[0], t.shape[1]))
+            parts.append(torch.cat((part, padding)))
+        return QuantizedWeight(*parts, self.bits, self.group, self.in_features, self.kind)
+
+    def columns(self, start: int, count: int) -> QuantizedWeight:
+        """Input columns [start, start + count): the same values, cut at whole groups and whole
+        32-column blocks (the 4-bit codes' unit and every kernel's K). A GGUF K-quant's
+        256-column super-block needs no boundary here: repacking folds its scale into each
+        32-column group's. ValueError naming the type and the split otherwise."""
+        unit = math.lcm(32, self.group)
+        if start % unit or count % unit or start + count > self.in_features:
+            raise ValueError(
+                f"{self.kind} weight: columns {start}..{start + count} of {self.in_features} "
+                f"do not fall on its {unit}-column blocks"
+            )
+        per_byte = 2 if self.bits == 4 else 1
+        first, last = start // self.group, (start + count) // self.group
+        parts = (
+            self.codes[:, start // per_byte : (start + count) // per_byte],
+            self.scales[:, first:last],
+            self.mins[:, first:last],
+        )  # copied: the whole weight's memory is not held by the part
+        codes, scales, mins = (t.clone(memory_format=torch.contiguous_format) for t in parts)
+        return QuantizedWeight(codes, scales, mins, self.bits, self.group, count, self.kind)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The parts stacked along the output dim (a fused q|k|v or gate|up): each widened to
@@ -120,13 +153,16 @@ class QuantizedWeight:
         return QuantizedWeight(codes, scales, mins, bits, group, in_features, kind)
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric int8 with one float32 scale per output row: max |w| of the row maps to 127."""
+def quantize_int8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> QuantizedWeight:
+    """Symmetric int8 with one float32 scale per output row: max |w| of the row maps to 127.
+    `row_max` [N]: each row's max |w| when `weight` holds only some of the row's columns (a
+    row-parallel shard), so that the codes and scales are those of the whole weight."""
     w = weight.detach().float()
     n, k = w.shape
     if k % 32:
         raise ValueError(f"int8 quantization needs an input size divisible by 32, got {k}")
-    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    amax = w.abs().amax(dim=1, keepdim=True) if row_max is None else row_max.float().view(n, 1)
+    scale = amax / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(w / scale).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
     return QuantizedWeight(codes, scale, torch.zeros_like(scale), 8, k, k, "int8")

@@ -8,7 +8,8 @@
 
 The default (None) is `none` for every model: see README, "Quantized weights", for why.
 Each quantized layer lets its float weight go (a placeholder keeps the shape), so the
-resident weights are the quantized bytes plus the norms.
+resident weights are the quantized bytes plus the norms. A tensor-parallel rank's layers hold
+their parts of the values one device holds (`parallel_layers`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import torch
 from torch import nn
 
 from kvflow.model.fp8_linear import quantize_fp8
-from kvflow.model.gguf_quant import gguf_weights, source_gguf
+from kvflow.model.gguf_quant import GgufWeights, source_gguf
 from kvflow.model.layers import Embedding
 from kvflow.model.linear import Linear, _release_weight
 from kvflow.model.quant_format import QuantizedWeight, quantize_int8
+from kvflow.model.quant_kernels import Quantized
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +55,27 @@ def resolve_quantization(
 
 
 def quantize_model(model: nn.Module, method: str, path: Path) -> tuple[int, int]:
-    """Put `method`'s weights into `model` (loaded from `path`); returns (quantized weights'
-    bytes, the bytes the weights they replace held)."""
+    """Put `method`'s weights into `model` (loaded from `path`; a tensor-parallel shard takes
+    its layers' parts: `quant_part`, `row_absmax`); returns (quantized weights' bytes, the
+    bytes the weights they replace held). ValueError naming the layer when one cannot be."""
     if method == "none":
         return 0, 0
-    stored = gguf_weights(path) if method == "gguf" else None
+    stored = GgufWeights(path) if method == "gguf" else None
     packed: dict[str, list[str]] = getattr(model, "packed_modules", {})
     head = model.logits_weight() if hasattr(model, "logits_weight") else None
     new = old = 0
     for name, module in model.named_modules():
         if not isinstance(module, Linear | Embedding):
             continue
-        if stored is not None:
-            weight = _stored_weight(name, stored, packed if isinstance(module, Linear) else {})
-        elif isinstance(module, Linear) or module.weight is head:  # lookups: nothing to gain
-            weight = (quantize_int8 if method == "int8" else quantize_fp8)(module.weight)
-        else:
-            weight = None
+        try:
+            if stored is not None:
+                weight = _stored_weight(name, module, stored, packed)
+            elif isinstance(module, Linear) or module.weight is head:  # lookups: nothing to gain
+                weight = _made_now(module, method)
+            else:
+                weight = None
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
         if weight is None:
             continue
         new += weight.nbytes
@@ -83,16 +89,25 @@ def quantize_model(model: nn.Module, method: str, path: Path) -> tuple[int, int]
     return new, old
 
 
+def _made_now(module: Linear | Embedding, method: str) -> Quantized:
+    """int8 or fp8 codes of the layer's weight, each row scaled by the max of the whole row
+    (a row-parallel shard's `row_absmax`: every rank's values are the unsplit weight's)."""
+    row_max = module.row_absmax() if isinstance(module, Linear) else None  # rows whole
+    return (quantize_int8 if method == "int8" else quantize_fp8)(module.weight, row_max)
+
+
 def _stored_weight(
-    name: str, stored: dict[str, QuantizedWeight], packed: dict[str, list[str]]
+    name: str, module: Linear | Embedding, stored: GgufWeights, packed: dict[str, list[str]]
 ) -> QuantizedWeight | None:
-    """A layer's weight from the file, its shards stacked (None: a float tensor in the file,
-    which the layer keeps in the model's dtype)."""
+    """A layer's part of its weight from the file, its shards stacked (None: a float tensor in
+    the file, which the layer keeps in the model's dtype)."""
     leaf = name.rsplit(".", 1)[-1]
     prefix = name[: len(name) - len(leaf)]
-    parts = [stored.get(f"{prefix}{shard}.weight") for shard in packed.get(leaf, [leaf])]
+    shards = packed.get(leaf, [leaf]) if isinstance(module, Linear) else [leaf]
+    parts = [stored.get(f"{prefix}{shard}.weight") for shard in shards]
     if any(p is None for p in parts):
         return None
+    parts = [module.quant_part(part, shard_id) for shard_id, part in enumerate(parts)]
     return parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
 
 

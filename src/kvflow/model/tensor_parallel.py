@@ -7,7 +7,10 @@ rank's device and filled from the checkpoint, so a rank never holds more than it
     both          embed_tokens vocab-parallel; an untied lm_head vocab-parallel; the norms,
                   OPT's positions and projections replicated
 
-Each rank's KV cache holds its own KV heads (`kv_cache_shape_for_rank`).
+Each rank's KV cache holds its own KV heads (`kv_cache_shape_for_rank`). With `--quantization`
+each layer then takes its part of the quantized weights (`model.quantize`), the values one
+device would hold: GGUF tensors read one at a time from the repacked file, int8 / fp8 made
+from the shard (a row-parallel layer's scales from the whole row).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kvflow.model.parallel_layers import (
     head_partition,
     qkv_parallel,
 )
+from kvflow.model.quantize import quantize_model
 from kvflow.model.registry import resolve_model_class
 
 
@@ -79,9 +83,12 @@ def load_shard(
     device: str,
     group: TPGroup,
     attn_backend: AttentionBackend | None = None,
-) -> tuple[TensorParallelLM, Any]:
-    """(this rank's shard in eval mode, the transformers config). Raises ValueError as
-    `load_model` does, and for head counts the ranks cannot share."""
+    quantization: str = "none",
+) -> tuple[TensorParallelLM, Any, tuple[int, int]]:
+    """(this rank's shard in eval mode with `quantization`'s weights, the transformers config,
+    `quantize_model`'s bytes). Raises ValueError as `load_model` and `quantize_model` do, and
+    for head counts the ranks cannot share. Every rank calls it (row-parallel int8 / fp8
+    scales are an all-reduce per layer)."""
     hf_config = load_config(path)
     check_divisible(hf_config, group.world_size)
     model_class = resolve_model_class(hf_config)
@@ -105,7 +112,8 @@ def load_shard(
     load_weights(model, Path(path))
     model.eval()
     model.requires_grad_(False)
-    return TensorParallelLM(model, hf_config.vocab_size, group), hf_config
+    quantized = quantize_model(model, quantization, Path(path))
+    return TensorParallelLM(model, hf_config.vocab_size, group), hf_config, quantized
 
 
 def _shard_llama(model: LlamaForCausalLM, cfg: Any, group: TPGroup) -> None:

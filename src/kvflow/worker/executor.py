@@ -35,7 +35,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
-from kvflow.worker.tp_worker import RankSpec
+from kvflow.structured.wire import GrammarSender
+from kvflow.worker.tp_worker import RankLoaded, RankSpec
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -125,8 +126,9 @@ atexit.register(stop_all)
 
 
 class MultiprocExecutor:
-    """A Runner over `world_size` rank processes; `num_blocks` is the pool's block count (the
-    minimum over the ranks). Raises RankError when a rank fails to start."""
+    """A Runner over `world_size` rank processes; `loaded` is each rank's RankLoaded, and
+    `num_blocks` the pool's block count (the minimum over the ranks). Raises RankError when a
+    rank fails to start."""
 
     def __init__(self, spec: RankSpec, start_timeout_s: float = 900.0) -> None:
         self.procs: list[RankProcess] = []
@@ -137,21 +139,23 @@ class MultiprocExecutor:
             for rank in range(spec.world_size):
                 self.procs.append(RankProcess(spec, rank))
             self.conns = [p.conn for p in self.procs]
-            self.num_blocks = self._await_ready(start_timeout_s)
+            self.loaded = self._await_ready(start_timeout_s)
+            self.num_blocks = min(r.num_blocks for r in self.loaded)
         except BaseException:
             self.shutdown()
             raise
         self.step_send_s = 0.0  # time spent pickling and sending steps (benchmarks)
+        self._grammars = GrammarSender()
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def _await_ready(self, timeout_s: float) -> int:
-        blocks: dict[int, int] = {}
+    def _await_ready(self, timeout_s: float) -> list[RankLoaded]:
+        ready_ranks: dict[int, RankLoaded] = {}
         deadline = time.monotonic() + timeout_s
-        while len(blocks) < len(self.procs):
-            waiting = [c for r, c in enumerate(self.conns) if r not in blocks]
+        while len(ready_ranks) < len(self.procs):
+            waiting = [c for r, c in enumerate(self.conns) if r not in ready_ranks]
             left = deadline - time.monotonic()
             ready = wait(waiting + [p.sentinel for p in self.procs], timeout=max(left, 0))
             if not ready:
@@ -163,9 +167,9 @@ class MultiprocExecutor:
                         raise RankError(
                             f"tensor-parallel rank {rank} failed at start-up:\n{message[1]}"
                         )
-                    blocks[rank] = message[1]
+                    ready_ranks[rank] = RankLoaded(**message[1])
             self._raise_if_dead("at start-up")
-        return min(blocks.values())
+        return [ready_ranks[rank] for rank in range(len(self.procs))]
 
     def _recv(self, rank: int) -> tuple:
         try:
@@ -195,7 +199,7 @@ class MultiprocExecutor:
             raise RankError("the tensor-parallel ranks are stopped")
         start = time.perf_counter()
         try:
-            self.conns[0].send(("step", scheduler_output))
+            self.conns[0].send(("step", self._grammars.encode(scheduler_output)))
         except OSError:
             self._raise_if_dead("before a step")
             raise

@@ -24,8 +24,9 @@ from dataclasses import replace
 from typing import Any
 
 from kvflow.core.messages import ModelRunnerOutput, SchedulerOutput
+from kvflow.structured.wire import GrammarSender
 from kvflow.worker.executor import _LIVE, STOP_GRACE_S, RankError
-from kvflow.worker.tp_worker import RankSpec, RankWorker, fault_at_start
+from kvflow.worker.tp_worker import RankLoaded, RankSpec, RankWorker, fault_at_start
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -49,7 +50,7 @@ class RankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def start(self, spec: RankSpec, rank: int) -> int:
+    def start(self, spec: RankSpec, rank: int) -> RankLoaded:
         fault_at_start(rank)
         self.worker = RankWorker(spec, rank)
         return self.worker.load()
@@ -70,8 +71,8 @@ class RankActor:
 
 
 class RayExecutor:
-    """A Runner over Ray actors; `num_blocks` as MultiprocExecutor's. Raises RankError when a
-    rank fails to start."""
+    """A Runner over Ray actors; `loaded` and `num_blocks` as MultiprocExecutor's. Raises
+    RankError when a rank fails to start."""
 
     def __init__(self, spec: RankSpec) -> None:
         import ray
@@ -84,6 +85,7 @@ class RayExecutor:
         self.actors: list[Any] = []
         self._pg = None
         self._follow_refs: list[Any] = []
+        self._grammars = GrammarSender()
         _LIVE.add(self)
         self._connect()
         try:
@@ -101,7 +103,8 @@ class RayExecutor:
             # each actor sees only its own GPU: every rank's device is cuda:0 there
             spec = replace(spec, init_method=f"tcp://{host}:{port}")
             starts = [a.start.remote(spec, r) for r, a in enumerate(self.actors)]
-            self.num_blocks = min(self._get(starts, "at start-up"))
+            self.loaded = self._get(starts, "at start-up")
+            self.num_blocks = min(r.num_blocks for r in self.loaded)
             self._follow_refs = [a.follow.remote() for a in self.actors[1:]]
         except BaseException:
             self.shutdown()
@@ -156,7 +159,7 @@ class RayExecutor:
     def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         if self._closed:
             raise RankError("the tensor-parallel ranks are stopped")
-        ref = self.actors[0].step.remote(scheduler_output)
+        ref = self.actors[0].step.remote(self._grammars.encode(scheduler_output))
         return lambda: self._wait_output(ref)
 
     def _wait_output(self, ref: Any) -> ModelRunnerOutput:

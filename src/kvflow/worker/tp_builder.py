@@ -1,7 +1,8 @@
 """The tensor-parallel engine builder: the model on `tensor_parallel_size` ranks, returned as
 EngineParts for the one assembly (`engine/assembly.py`). This process resolves the model (a
-GGUF is converted here, once, before any rank starts), the tokenizer and the geometry; the
-ranks load their shards and size their KV caches (see tp_worker.py); the executor (`mp`:
+GGUF is converted, and for `--quantization gguf` repacked, here, once, before any rank starts),
+the tokenizer and the geometry; the ranks load their shards, with their parts of the quantized
+weights, and size their KV caches (see tp_worker.py); the executor (`mp`:
 worker/executor.py, `ray`: worker/ray_executor.py) is the EngineCore's runner.
 
 Steps are not overlapped with scheduling and CUDA graphs are not captured: every rank runs each
@@ -15,8 +16,9 @@ import logging
 import torch
 
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
+from kvflow.model.gguf_quant import quant_file
 from kvflow.model.loader import load_config, load_tokenizer, resolve_dtype, resolve_model
-from kvflow.model.quantize import resolve_quantization
+from kvflow.model.quantize import describe, resolve_quantization
 from kvflow.model.tensor_parallel import check_divisible
 from kvflow.worker.builder import (
     EngineParts,
@@ -86,11 +88,8 @@ def build_tp_parts(args, device: str) -> EngineParts:
     check_divisible(hf_config, world)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     quantization = resolve_quantization(args.quantization, path, device, dtype)
-    if quantization != "none":
-        raise ValueError(
-            f"--quantization {quantization} is not available with --tensor-parallel-size "
-            "above 1 yet: the ranks load bfloat16 or float32 shards."
-        )
+    if quantization == "gguf":
+        quant_file(path)  # repacked here, once, before the ranks read their parts of it
     batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
     eos = tokenizer.eos_token_id
     spec = rank_spec(args, path, device, dtype, batched, eos, quantization)
@@ -108,17 +107,23 @@ def build_tp_parts(args, device: str) -> EngineParts:
         runner.shutdown()  # (a FaultyRunner passes it on)
         raise
     scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
+    _log_start(args, runner, max_model_len, device, quantization, dtype)
+    config = EngineConfig(cache, scheduler)
+    return EngineParts(runner, path, tokenizer, hf_config, config, dtype, device, False, world)
+
+
+def _log_start(args, runner, max_model_len: int, device: str, quantization: str, dtype) -> None:
+    """The start-up line: ranks, pool, and the weights' bytes summed over the ranks."""
+    new = sum(r.quantized_bytes for r in runner.loaded)
+    old = sum(r.replaced_bytes for r in runner.loaded)
     logger.info(
         "tensor parallel: %d ranks (%s); KV cache: %d blocks x %d tokens; max_model_len %d; "
-        "dtype %s; quantization %s; device %s",
-        world,
+        "device %s; %s",
+        args.tensor_parallel_size,
         args.distributed_executor_backend or "mp",
         runner.num_blocks,
         args.block_size,
         max_model_len,
-        str(dtype).removeprefix("torch."),
-        quantization,
         device,
+        describe(quantization, new, old, dtype) + (" (the ranks' sum)" if new else ""),
     )
-    config = EngineConfig(cache, scheduler)
-    return EngineParts(runner, path, tokenizer, hf_config, config, dtype, device, False, world)

@@ -7,7 +7,8 @@ CPU group (`TPGroup.broadcast_object`); every rank runs the same step (same coll
 same order) and samples from the same gathered logits with the same seeds, and rank 0 sends its
 output back. Rank 0's messages (the executor's `ctl` callable answers them):
 
-    start-up   ("ready", num_blocks) from every rank, or ("error", traceback) and exit 1
+    start-up   ("ready", RankLoaded's fields as a dict) from every rank, or ("error", traceback)
+               and exit 1
     a step     ("step", SchedulerOutput) -> ("output", ModelRunnerOutput) | ("error", traceback)
     the end    ("stop",): broadcast as None, every rank leaves its loop and exits 0
 
@@ -23,7 +24,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 logger = logging.getLogger("kvflow.worker")
@@ -53,6 +54,17 @@ class RankSpec:
     quantization: str = "none"  # resolved --quantization (model/quantize.py's METHODS)
 
 
+@dataclass(frozen=True)
+class RankLoaded:
+    """What a rank reports once loaded: the pool's block count (the minimum over the ranks)
+    and its quantized weights' bytes with the bytes of the weights they replace (0, 0
+    without --quantization)."""
+
+    num_blocks: int
+    quantized_bytes: int
+    replaced_bytes: int
+
+
 def watch_parent(parent_pid: int) -> None:
     """Exit this process (status 1, at once) when its parent is gone."""
 
@@ -79,6 +91,7 @@ class RankWorker:
         import torch
 
         from kvflow.distributed.group import TPGroup
+        from kvflow.structured.wire import GrammarReceiver
 
         self.spec, self.rank = spec, rank
         self.device = rank_device(spec, rank)
@@ -90,9 +103,10 @@ class RankWorker:
         torch.manual_seed(spec.seed)
         self.group = TPGroup.init(rank, spec.world_size, spec.init_method, self.device)
         self.runner: Any = None
+        self.grammars = GrammarReceiver()
 
-    def load(self) -> int:
-        """Load the shard, size and allocate the KV cache; returns the pool's block count."""
+    def load(self) -> RankLoaded:
+        """Load the shard, size and allocate the KV cache."""
         import torch
 
         from kvflow.model.loader import resolve_dtype
@@ -102,8 +116,9 @@ class RankWorker:
 
         spec, device = self.spec, self.device
         dtype = resolve_dtype(spec.dtype, None, device)
-        model, hf_config = load_shard(
-            spec.model_path, dtype, device, self.group, attention_backend(device)
+        backend = attention_backend(device)
+        model, hf_config, quantized = load_shard(
+            spec.model_path, dtype, device, self.group, backend, spec.quantization
         )
         if device == "cpu":
             from kvflow.kernels.cpu.build import native_available
@@ -123,7 +138,7 @@ class RankWorker:
         )
         # every rank's generator in the same state: their samplers draw the same tokens
         torch.manual_seed(spec.seed)
-        return num_blocks
+        return RankLoaded(num_blocks, *quantized)
 
     def _own_blocks(self, model: Any, hf_config: Any, per_block: int) -> int:
         """What this rank's memory allows: --num-blocks, else --kv-cache-memory (per rank, as
@@ -159,7 +174,9 @@ class RankWorker:
         return max(int(total * spec.gpu_memory_utilization) - step, 0) // per_block
 
     def step(self, sched: Any) -> Any:
-        return self.runner.launch(sched)()
+        """Run one step as the executor sent it (its grammars as `structured.wire` sends
+        them)."""
+        return self.runner.launch(self.grammars.decode(sched))()
 
     def follow(self) -> None:
         """A rank other than 0: run every broadcast step until the broadcast of None."""
@@ -205,7 +222,7 @@ def run_rank(spec: RankSpec, rank: int, ctl: Any) -> None:
     try:
         fault_at_start(rank)
         worker = RankWorker(spec, rank)
-        ctl(("ready", worker.load()))
+        ctl(("ready", asdict(worker.load())))  # plain: this module is __main__
     except BaseException:
         ctl(("error", traceback.format_exc()))
         raise
