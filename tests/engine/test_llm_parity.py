@@ -271,7 +271,7 @@ def test_async_scheduling_changes_no_output(llm, reference):
 def test_async_scheduling_never_gives_a_stale_token_to_a_reused_request_id(llm):
     """A request ended by a stop string has one more step in flight for it; a new request that
     takes its id at once gets only its own tokens."""
-    engine = LLM(None, dtype="float32", async_scheduling=True).engine
+    engine = LLM(None, dtype="float32", num_blocks=64, async_scheduling=True).engine
     stop = SamplingParams(temperature=0, max_tokens=30, stop=["Paris"])
     engine.add_request("x", engine.tokenize_prompt("The capital of France is"), stop)
     outputs = []
@@ -308,7 +308,7 @@ def test_prompt_logprobs_equal_transformers_through_chunks_preemption_and_async(
     params = [greedy] * len(prompts)
     params[2] = greedy.clone(n=2, temperature=1.0, seed=3)  # n > 1 samples (vLLM's rule)
     engines = {
-        "chunked": LLM(None, dtype="float32", max_num_batched_tokens=16),
+        "chunked": LLM(None, dtype="float32", num_blocks=64, max_num_batched_tokens=16),
         "preempting": LLM(
             None,
             dtype="float32",
@@ -317,7 +317,9 @@ def test_prompt_logprobs_equal_transformers_through_chunks_preemption_and_async(
             max_num_seqs=8,
             max_num_batched_tokens=16,  # preempted mid-prompt too
         ),
-        "async": LLM(None, dtype="float32", max_num_batched_tokens=16, async_scheduling=True),
+        "async": LLM(
+            None, dtype="float32", num_blocks=64, max_num_batched_tokens=16, async_scheduling=True
+        ),
     }
     for name, engine in engines.items():
         for _ in range(2):

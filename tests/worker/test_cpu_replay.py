@@ -145,7 +145,7 @@ def test_embedded_gguf_replay_equals_eager() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        llm = LLM(quantization="gguf", max_model_len=512, enforce_eager=eager)
+        llm = LLM(quantization="gguf", max_model_len=512, num_blocks=64, enforce_eager=eager)
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(texts, greedy)]
         if not eager:
             assert replay_of(llm).steps[len(texts)] > 1
