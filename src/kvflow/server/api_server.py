@@ -307,12 +307,10 @@ def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
     _print_engine(engine)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLOW_API_KEY")
     app, controller = build_app(engine, args, api_key)
-    listen = {"host": args.host, "port": args.port}  # the socket's, which `run_server` hands in
-    if args.listen_fd is not None:  # the supervisor's socket, shared by every API server
-        listen = {"fd": args.listen_fd}
     config = uvicorn.Config(
         app,
-        **listen,
+        host=args.host,  # the socket's (`run_server` hands it to uvicorn): for uvicorn's logs
+        port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=5,
@@ -331,9 +329,9 @@ def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
     return server
 
 
-def run_server(args: argparse.Namespace, sock: socket.socket | None) -> int:
-    """Load the engine, serve on `sock` (bound by `listen.bind_or_exit`; None: the
-    supervisor's `--listen-fd`) until a signal or engine death; returns the exit status
+def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
+    """Load the engine, serve on `sock` (`listen.bind_or_exit`: bound here, or the
+    supervisor's) until a signal or engine death; returns the exit status
     (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve,
     128 + signal for a signal before the server was up)."""
     _configure_logging()
@@ -349,7 +347,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket | None) -> int:
     controller = server.controller
     code = None
     try:
-        server.run(sockets=None if sock is None else [sock])
+        server.run(sockets=[sock])
     except SystemExit as exc:  # uvicorn's exit when its start-up fails
         code = exc.code if isinstance(exc.code, int) else 1
     except OSError as exc:  # another server bound the port too, and listened first
@@ -390,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     return run(args, bind_or_exit(args))
 
 
-def run(args: argparse.Namespace, sock: socket.socket | None) -> int:
+def run(args: argparse.Namespace, sock: socket.socket) -> int:
     """`kvflow serve` on `sock` (`listen.bind_or_exit`): one API server process over the
     engine process, or with --api-server-count N > 1 a supervisor of N of them
     (`api_servers`)."""

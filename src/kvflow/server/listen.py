@@ -11,18 +11,21 @@ import socket
 import sys
 
 
-def bind_or_exit(args: argparse.Namespace) -> socket.socket | None:
+def bind_or_exit(args: argparse.Namespace) -> socket.socket:
     """The entry points' first step: a TCP socket bound to `args.host`:`args.port`, not
-    listening yet; None for an API server that the --api-server-count supervisor started (it
-    serves the supervisor's socket). If the address cannot be had, exits with status 1 and one
-    line on stderr naming host:port.
+    listening yet, or for an API server that the --api-server-count supervisor started, the
+    supervisor's socket it inherited (`--listen-fd`). If the address cannot be had, exits with
+    status 1 and one line on stderr naming host:port.
 
-    SO_REUSEADDR, as uvicorn sets it: a restart does not wait for the last run's connections in
-    TIME_WAIT, while a port that another socket listens on stays refused."""
+    The protocol is named: asyncio sets TCP_NODELAY only on the connections of a socket whose
+    `proto` says TCP, and without it Nagle holds a response's last bytes back (an SSE chunk
+    waits for an ACK; a 413's body, sent just before the connection closes, is lost to the
+    reset). SO_REUSEADDR, as uvicorn sets it: a restart does not wait for the last run's
+    connections in TIME_WAIT, while a port that another socket listens on stays refused."""
     if args.listen_fd is not None:
-        return None
+        return socket.socket(fileno=args.listen_fd)  # family, type and protocol read from it
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
