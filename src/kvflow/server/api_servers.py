@@ -9,9 +9,10 @@ The supervisor is handed the bound port (`listen.bind_or_exit`), starts the engi
 API servers (each gets the socket's fd, which its uvicorn listens on, and the engine's address),
 and owns every death: a SIGTERM/SIGINT goes to each API server (which drains or aborts its
 own requests as `--shutdown-timeout` says, answers every client and exits), then the engine
-gets Shutdown; a second signal is forwarded too (they exit at once). An API server or the engine exiting on its own ends everything, status 1. Every child
-dies with the supervisor (PR_SET_PDEATHSIG). Each API server keeps its own request metrics;
-the engine's gauges are the same in all.
+gets Shutdown; a second signal is forwarded too (they exit at once). An API server or the
+engine exiting on its own ends everything, status 1. Every child dies with the supervisor
+(PR_SET_PDEATHSIG). Each API server keeps its own request metrics; the engine's gauges are
+the same in all.
 """
 
 from __future__ import annotations
