@@ -60,9 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        from kvflow.server.listen import bind_or_exit
+
+        sock = bind_or_exit(args)  # before the heavy imports: a busy port fails at once
         from kvflow.server.api_server import run
 
-        return run(args)
+        return run(args, sock)
     try:
         if args.command in ("generate", "chat"):
             return _generate(args, chat=args.command == "chat")

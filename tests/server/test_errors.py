@@ -3,6 +3,8 @@ numbers. Refused requests never reach the engine, and the server stays healthy."
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -22,9 +24,11 @@ def error_of(resp: httpx.Response, status: int, err_type: str) -> str:
     return err["message"]
 
 
-def post_raw(server, path: str, content: str | bytes) -> httpx.Response:
+def post_raw(
+    server, path: str, content: str | bytes, content_type: str = "application/json"
+) -> httpx.Response:
     """A body sent as is (not JSON the client made): NaN literals, escapes, broken JSON."""
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": content_type}
     return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=10)
 
 
@@ -193,6 +197,18 @@ def test_schema_errors_are_400_not_422(server):
     assert "max_tokens" in error_of(wrong, 400, "BadRequestError")
     raw = post_raw(server, "/v1/completions", b"{not json")
     assert "Invalid JSON" in error_of(raw, 400, "BadRequestError")
+
+
+def test_a_body_that_is_not_json_is_named_as_such(server):
+    body = json.dumps({"prompt": CAPITAL, "max_tokens": 1})
+    # text/plain, and what `curl -d` sends without a Content-Type header of its own
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        resp = post_raw(server, "/v1/completions", body, content_type)
+        assert error_of(resp, 400, "BadRequestError") == (
+            f"Content-Type must be application/json, got {content_type}."
+        )
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        assert post_raw(server, "/v1/completions", body, content_type).status_code == 200
 
 
 def test_unsupported_and_malformed_inputs_are_400(server):

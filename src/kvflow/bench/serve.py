@@ -13,14 +13,18 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import httpx
+try:  # the `bench` extra; without it the flags still parse and `main` says what to install
+    import aiohttp
+    import httpx
+except ImportError:
+    aiohttp = httpx = None  # type: ignore[assignment]
 
 from kvflow.bench import PERCENTILES, build_prompts, latency_stats, load_tokenizer
 
@@ -392,7 +396,14 @@ def result_path(args: argparse.Namespace, result: dict[str, Any]) -> Path | None
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark; 0 when every request succeeded, 1 when any failed, 2 if unreachable."""
+    """Run the benchmark; 0 when every request succeeded, 1 when any failed, 2 if unreachable
+    or the `bench` extra is not installed."""
+    if aiohttp is None or httpx is None:
+        print(
+            "kvflow bench serve: needs the bench extra: pip install 'kvflow[bench]'",
+            file=sys.stderr,
+        )
+        return 2
     try:
         result = run(args)
     except httpx.HTTPError as exc:

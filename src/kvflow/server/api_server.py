@@ -16,9 +16,10 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
@@ -41,8 +42,10 @@ from kvflow.server.engine_view import SnapshotCache
 from kvflow.server.frontend import LoggingStatLogger, StatLoggers, install_frontend
 from kvflow.server.generation_defaults import default_sampling_params, parse_override
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
+from kvflow.server.listen import bind_or_exit
 from kvflow.server.metrics import ServerMetrics
 from kvflow.server.page import install_page
+from kvflow.server.request_fields import UnknownFields
 from kvflow.server.routes import ServerContext, router
 from kvflow.server.serving_chat import ChatServing
 from kvflow.server.serving_completion import CompletionServing
@@ -108,9 +111,20 @@ class ShutdownController:
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, controller: ShutdownController) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        controller: ShutdownController,
+        on_listening: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.controller = controller
+        self.on_listening = on_listening
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_listening is not None:
+            self.on_listening()  # before the first connection is served
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's: it would close the listener at once and wait forever for in-flight
@@ -156,6 +170,7 @@ def _server_context(
         trust_request_chat_template=args.trust_request_chat_template,
         max_log_len=getattr(args, "max_log_len", None),
         sampling_defaults=defaults,
+        unknown_fields=UnknownFields(getattr(args, "strict_request_fields", False)),
     )
     return ServerContext(
         engine=async_engine,
@@ -232,16 +247,20 @@ def _configure_logging() -> None:
     )
 
 
-def _banner(engine: LLMEngine, args: argparse.Namespace) -> None:
+def _print_engine(engine: LLMEngine) -> None:
     cache = engine.config.cache
-    scheme = "https" if args.ssl_certfile else "http"
-    url = f"{scheme}://{args.host}:{args.port}{args.root_path or ''}"
     print(
         f"kvflow: KV cache {cache.num_blocks} blocks x {cache.block_size} tokens "
         f"(block 0 reserved) = {cache.servable_tokens} servable tokens; "
         f"max_model_len {engine.max_model_len}; dtype {engine.dtype_name}; device {engine.device}",
         flush=True,
     )
+
+
+def _print_serving(engine: LLMEngine, args: argparse.Namespace) -> None:
+    """The start-up lines that say where to connect: printed once the socket listens."""
+    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{scheme}://{args.host}:{args.port}{args.root_path or ''}"
     names = ", ".join(args.served_model_name or [engine.model_name])
     print(f"kvflow: serving {names} at {url} (OpenAI API: {url}/v1)", flush=True)
     if not getattr(args, "disable_web_ui", False):
@@ -285,15 +304,13 @@ def _start_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
-    _banner(engine, args)
+    _print_engine(engine)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLOW_API_KEY")
     app, controller = build_app(engine, args, api_key)
-    listen = {"host": args.host, "port": args.port}
-    if args.listen_fd is not None:  # the supervisor's socket, shared by every API server
-        listen = {"fd": args.listen_fd}
     config = uvicorn.Config(
         app,
-        **listen,
+        host=args.host,  # the socket's (`run_server` hands it to uvicorn): for uvicorn's logs
+        port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=5,
@@ -303,7 +320,7 @@ def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
     )
-    server = _Server(config, controller)
+    server = _Server(config, controller, lambda: _print_serving(engine, args))
     controller.server = server
     if threading.current_thread() is threading.main_thread():
         # uvicorn installs its own handlers while it serves and restores these afterwards.
@@ -312,8 +329,9 @@ def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:
     return server
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Load the engine, serve until a signal or engine death; returns the exit status
+def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
+    """Load the engine, serve on `sock` (`listen.bind_or_exit`: bound here, or the
+    supervisor's) until a signal or engine death; returns the exit status
     (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve,
     128 + signal for a signal before the server was up)."""
     _configure_logging()
@@ -329,9 +347,12 @@ def run_server(args: argparse.Namespace) -> int:
     controller = server.controller
     code = None
     try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+        server.run(sockets=[sock])
+    except SystemExit as exc:  # uvicorn's exit when its start-up fails
         code = exc.code if isinstance(exc.code, int) else 1
+    except OSError as exc:  # another server bound the port too, and listened first
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        code = 1
     finally:
         controller.engine.close()
     status = controller.exit_code if code is None else code
@@ -359,19 +380,23 @@ def _exit_now(status: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m kvflow.server.api_server [flags]`: `kvflow serve`, or an API server that the
+    --api-server-count supervisor started (its flags in the environment)."""
     parser = argparse.ArgumentParser(prog="kvflow serve")
     add_serve_arguments(parser)
-    return run(args_from_env() or parser.parse_args(argv))
+    args = args_from_env() or parser.parse_args(argv)
+    return run(args, bind_or_exit(args))
 
 
-def run(args: argparse.Namespace) -> int:
-    """`kvflow serve`: one API server process over the engine process, or with
-    --api-server-count N > 1 a supervisor of N of them (`api_servers`)."""
+def run(args: argparse.Namespace, sock: socket.socket) -> int:
+    """`kvflow serve` on `sock` (`listen.bind_or_exit`): one API server process over the
+    engine process, or with --api-server-count N > 1 a supervisor of N of them
+    (`api_servers`)."""
     if args.api_server_count > 1 and args.engine_address is None:
         from kvflow.server.api_servers import run_supervisor
 
-        return run_supervisor(args)
-    return run_server(args)
+        return run_supervisor(args, sock)
+    return run_server(args, sock)
 
 
 if __name__ == "__main__":

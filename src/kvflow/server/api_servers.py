@@ -5,13 +5,14 @@ and N API server processes on one port.
                 ├─ API server 0 (DEALER "api-0")  ┐  accept() on the supervisor's listening
                 └─ API server N-1                 ┘  socket, inherited (kernel load-balances)
 
-The supervisor binds the port, starts the engine, then the API servers (each gets the socket's
-fd and the engine's address), and owns every death: a SIGTERM/SIGINT goes to each API server
-(which drains or aborts its own requests as `--shutdown-timeout` says, answers every client
-and exits), then the engine gets Shutdown; a second signal is forwarded too (they exit at
-once). An API server or the engine exiting on its own ends everything, status 1. Every child
-dies with the supervisor (PR_SET_PDEATHSIG). Each API server keeps its own request metrics;
-the engine's gauges are the same in all.
+The supervisor is handed the bound port (`listen.bind_or_exit`), starts the engine, then the
+API servers (each gets the socket's fd, which its uvicorn listens on, and the engine's address),
+and owns every death: a SIGTERM/SIGINT goes to each API server (which drains or aborts its
+own requests as `--shutdown-timeout` says, answers every client and exits), then the engine
+gets Shutdown; a second signal is forwarded too (they exit at once). An API server or the
+engine exiting on its own ends everything, status 1. Every child dies with the supervisor
+(PR_SET_PDEATHSIG). Each API server keeps its own request metrics; the engine's gauges are
+the same in all.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ logger = logging.getLogger("kvflow.server")
 _EXIT_BOUND_S = 30.0
 
 
-def run_supervisor(args: argparse.Namespace) -> int:
+def run_supervisor(args: argparse.Namespace, listener: socket.socket) -> int:
+    """Serve on `listener` (bound, not listening: each API server's uvicorn listens on it)."""
     logging.basicConfig(
         level=logging.INFO,
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     startup.install_start_up_signals()
-    listener = _listen(args.host, args.port)
     try:
         engine, _ = core_launch.launch_engine(engine_args_from(args), args.watchdog_timeout)
     except ValueError as exc:
@@ -71,16 +72,6 @@ def run_supervisor(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def _spawn_api_server(

@@ -7,10 +7,13 @@ import dataclasses
 import json
 import os
 import re
+from typing import TYPE_CHECKING
 
-from kvflow.engine.llm_engine import EngineArgs
 from kvflow.kv_events import KVEventsConfig
 from kvflow.structured.config import StructuredOutputsConfig
+
+if TYPE_CHECKING:  # the engine's modules load torch: `kvflow serve` parses its flags first
+    from kvflow.engine.llm_engine import EngineArgs
 
 ARGS_ENV = "KVFLOW_API_SERVER_ARGS"  # an API server's flags as JSON, set by the supervisor
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -196,6 +199,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="on SIGTERM, drain in-flight requests for this many seconds (0: abort at once)",
     )
+    p.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse a request with fields kvflow does not know (400 naming them); by default "
+        "they are ignored and each name is logged once",
+    )
     p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-num-queued-reqs", type=int, default=None, help="503 beyond this")
@@ -334,6 +343,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    from kvflow.engine.llm_engine import EngineArgs
+
     model = args.model or args.model_tag
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(

@@ -12,6 +12,7 @@ ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
+    413: "RequestEntityTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

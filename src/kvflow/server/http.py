@@ -30,6 +30,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (401, "Missing or wrong API key (with --api-key)"),
         (404, "Unknown model"),
         (408, "The request ran past its timeout"),
+        (413, "The request body is over --max-request-body-bytes"),
         (500, "The request failed in the engine"),
         (503, "Shutting down, queue full, or engine dead"),
     )
@@ -60,7 +61,12 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def _validation_message(request: Request, exc: RequestValidationError) -> str:
+    """A body that is not JSON is named as such: FastAPI reads a body as JSON only when its
+    Content-Type says so (or is missing), and otherwise reports a dictionary it did not get."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not _is_json(content_type):
+        return f"Content-Type must be application/json, got {content_type}."
     parts = []
     for err in exc.errors():
         if err.get("type") == "json_invalid":
@@ -70,14 +76,22 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "Invalid request."
 
 
+def _is_json(content_type: str) -> bool:
+    """FastAPI's rule: application/json or application/*+json, parameters aside."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def serving_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ServingError)
         return error_json(exc)
 
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return error_json(ServingError(_validation_message(exc), 400))
+        return error_json(ServingError(_validation_message(request, exc), 400))
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -28,12 +28,14 @@ from kvflow.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    RequestModel,
     SamplingFields,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
 )
+from kvflow.server.request_fields import UnknownFields
 from kvflow.server.structured import constraint
 
 logger = logging.getLogger("kvflow.server")
@@ -157,8 +159,11 @@ class BaseServing:
         trust_request_chat_template: bool = False,
         max_log_len: int | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        unknown_fields: UnknownFields | None = None,
     ) -> None:
         self.engine = engine
+        # shared by the endpoints of one server: a field name is logged once
+        self.unknown_fields = unknown_fields or UnknownFields()
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_log_len = max_log_len
@@ -176,7 +181,11 @@ class BaseServing:
         # vocabulary takes ~0.2 s: here at start-up, not on the first request.
         self.max_chars_per_token = max(len(token) for token in self.tokenizer.get_vocab())
 
-    def check_model(self, model: str | None) -> None:
+    def check_request(self, req: RequestModel) -> None:
+        """A request's first checks: its unknown fields (logged, or a 400 in strict mode),
+        then its model (404 if not served)."""
+        self.unknown_fields.check(req)
+        model = getattr(req, "model", None)
         if model and model not in self.served_names:
             raise ServingError(f"The model `{model}` does not exist.", 404, param="model")
 
@@ -419,7 +428,7 @@ class BaseServing:
         )
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
-        self.check_model(req.model)
+        self.check_request(req)
         if isinstance(req, TokenizeChatRequest):
             ids = self.render_chat(req).token_ids
         else:
@@ -430,7 +439,7 @@ class BaseServing:
         )
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        self.check_model(req.model)
+        self.check_request(req)
         ids = self.token_prompt(req.tokens).token_ids if req.tokens else []
         return DetokenizeResponse(prompt=self.tokenizer.decode(ids))
 

@@ -49,7 +49,7 @@ class ChatServing(BaseServing):
         self, req: ChatCompletionRequest
     ) -> ChatCompletionResponse | EventStream:
         """Validates and queues before returning: a refused request raises ServingError here."""
-        self.check_model(req.model)
+        self.check_request(req)
         self._check_unsupported(req)
         plan = plan_tools(req, self.tool_config)
         prompt = self.truncate(self.render_chat(req), req)

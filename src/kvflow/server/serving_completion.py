@@ -71,7 +71,7 @@ class CompletionServing(BaseServing):
     async def create_completion(self, req: CompletionRequest) -> CompletionResponse | EventStream:
         """Validates and queues everything before returning: a refused request raises
         ServingError here, never after a stream began."""
-        self.check_model(req.model)
+        self.check_request(req)
         if req.suffix is not None:
             raise ServingError("suffix is not currently supported", param="suffix")
         prompts = self._prompts(req)
