@@ -122,6 +122,27 @@ def test_validation_error_raises_before_anything_is_queued():
     assert stats["num_waiting"] == stats["num_running"] == 0
 
 
+def test_a_request_is_validated_once_on_its_way_to_the_core():
+    """AsyncEngine validates, then sends the params `validate` returned: with max_tokens unset
+    they run to the rest of the context, checked once."""
+
+    async def main():
+        engine, _, _ = make_engine()
+        checked = []
+        validate = engine.engine.validate
+        engine.engine.validate = lambda ids, p: checked.append(len(ids)) or validate(ids, p)
+        engine.start()
+        unset = SamplingParams(max_tokens=None, n=2, ignore_eos=True, detokenize=False)
+        outputs = [o async for o in engine.generate("r1", list(range(250)), unset)]
+        await engine.shutdown(0)
+        return checked, outputs
+
+    checked, outputs = run(main())
+    assert checked == [250]
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    assert tokens == 2 * (256 - 250)
+
+
 def test_idle_engine_sleeps_instead_of_stepping():
     async def main():
         engine, _, recorder = make_engine()

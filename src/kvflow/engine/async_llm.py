@@ -222,7 +222,7 @@ class AsyncEngine:
         if not self._busy:
             self._busy, self._heard = True, time.monotonic()
         arrival = time.monotonic()
-        params = self.engine.add_request(request_id, prompt_token_ids, params, prompt, arrival)
+        params = self.engine.send_request(request_id, prompt_token_ids, params, prompt, arrival)
         self._tracker.arrive(
             request_id, params.n, len(prompt_token_ids), arrival, params.max_tokens
         )

@@ -23,7 +23,7 @@ import zmq
 from kvflow.engine import core_wire as wire
 from kvflow.engine.core_loop import CoreLoop
 from kvflow.engine.llm_engine import EngineArgs
-from kvflow.engine.startup import install_start_up_signals, load_core
+from kvflow.engine.startup import configure_logging, install_start_up_signals, load_core
 
 _PR_SET_PDEATHSIG = 1
 
@@ -100,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     set_parent_death_signal()
     if os.getppid() != spec.parent_pid:  # the parent died before the line above
         return 1
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging()
     code = serve(address, spec)
     logging.shutdown()
     sys.stdout.flush()

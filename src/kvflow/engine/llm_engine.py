@@ -175,9 +175,23 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> SamplingParams:
-        """Validate and send a request's choices to the core (n share its prompt). Returns the
-        params it runs with. Raises ValueError."""
+        """Validate a request (`validate`), then send it (`send_request`). Returns the params it
+        runs with. Raises ValueError."""
         params = self.validate(prompt_token_ids, params)
+        return self.send_request(request_id, prompt_token_ids, params, prompt, arrival_time)
+
+    def send_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        arrival_time: float | None,
+    ) -> SamplingParams:
+        """Send a request's choices to the core (n share its prompt); `params` are what
+        `validate` returned for this prompt, so nothing is checked twice. Returns the params it
+        runs with (the generation config's other EOS ids added). Raises ValueError for a
+        request id in use, or a request the core refuses."""
         extra = self.generation_eos_ids.difference(params.stop_token_ids)
         if extra and not params.ignore_eos:  # as vLLM: reported with stop_reason = the id
             params = params.clone(stop_token_ids=[*params.stop_token_ids, *sorted(extra)])

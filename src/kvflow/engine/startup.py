@@ -1,6 +1,7 @@
-"""Start-up, the same in the API server process and the engine core process: the engine loaded
-on a thread that then exits, the load's objects frozen, and SIGTERM/SIGINT ending the start-up
-at once (forwarded to a child still starting, what is half-written removed).
+"""Start-up, the same in the API server process and the engine core process: the log format, the
+engine loaded on a thread that then exits, the start-up's objects frozen, and SIGTERM/SIGINT
+ending the start-up at once (forwarded to a child still starting, what is half-written
+removed).
 """
 
 from __future__ import annotations
@@ -23,23 +24,38 @@ logger = logging.getLogger("kvflow.engine")
 _starting: list[subprocess.Popen] = []  # child processes still starting (the engine process)
 
 
+def configure_logging() -> None:
+    """The log format of every kvflow process but a rank's (`tp_worker`): INFO and up, on
+    stderr. First thing at start-up: the start-up's own lines need it."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
 def load_core(args: Any) -> tuple[Any, Any, Any]:
     """(EngineCore, EngineInfo, tokenizer) for `args` (EngineArgs), assembled on a thread that
-    then exits. libgomp keeps an OpenMP thread pool per thread that ran a parallel region;
-    with the loading thread's left beside the engine loop's it counts more threads than cores
-    and has them sleep at once between regions instead of spinning, so each of a step's ~200
-    regions waits for a wake-up (benchmarks/RESULTS.md: decode steps 1.5x slower served than
-    offline). A thread's pool goes when the thread ends. The ~300k objects the load leaves live
-    as long as the process: frozen, a full collection (which Python runs now and then as
-    requests come and go) scans only what serving made, instead of stalling every thread for
-    them."""
+    then exits, its objects frozen (`freeze_loaded`). libgomp keeps an OpenMP thread pool per
+    thread that ran a parallel region; with the loading thread's left beside the engine loop's
+    it counts more threads than cores and has them sleep at once between regions instead of
+    spinning, so each of a step's ~200 regions waits for a wake-up (benchmarks/RESULTS.md:
+    decode steps 1.5x slower served than offline). A thread's pool goes when the thread ends."""
     from kvflow.engine.assembly import assemble  # torch lives below this line
 
     with ThreadPoolExecutor(1, thread_name_prefix="kvflow-load") as pool:
         loaded = pool.submit(assemble, args).result()
+    freeze_loaded()
+    return loaded
+
+
+def freeze_loaded() -> None:
+    """Freeze what the start-up left live (the ~300k objects of a model load, or the front
+    end's tokenizer and imports): it lives as long as the process, so a full collection (which
+    Python runs now and then as requests come and go) scans only what serving made instead of
+    stalling every thread for it. Once, when the start-up's objects are all made."""
     gc.collect()
     gc.freeze()
-    return loaded
 
 
 def install_start_up_signals() -> None:

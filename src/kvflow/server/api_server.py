@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
-import gc
 import logging
 import os
 import signal
@@ -239,14 +238,6 @@ def tool_config_from(args: argparse.Namespace) -> ToolConfig:
     )
 
 
-def _configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def _print_engine(engine: LLMEngine) -> None:
     cache = engine.config.cache
     print(
@@ -298,8 +289,7 @@ def _start_engine(args: argparse.Namespace) -> LLMEngine:
     else:
         core, info, tokenizer = startup.load_core(engine_args_from(args))
         return LLMEngine(info, tokenizer, ThreadCore(core, info, args.watchdog_timeout))
-    gc.collect()
-    gc.freeze()
+    startup.freeze_loaded()
     return LLMEngine(process.ready.info, tokenizer, client)
 
 
@@ -334,7 +324,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     supervisor's) until a signal or engine death; returns the exit status
     (0 after a signal, 1 after engine death, 2 for a configuration that cannot serve,
     128 + signal for a signal before the server was up)."""
-    _configure_logging()
+    startup.configure_logging()
     startup.install_start_up_signals()
     try:
         check_serve_args(args)

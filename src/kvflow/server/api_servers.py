@@ -41,11 +41,7 @@ _EXIT_BOUND_S = 30.0
 
 def run_supervisor(args: argparse.Namespace, listener: socket.socket) -> int:
     """Serve on `listener` (bound, not listening: each API server's uvicorn listens on it)."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    startup.configure_logging()
     startup.install_start_up_signals()
     try:
         engine, _ = core_launch.launch_engine(engine_args_from(args), args.watchdog_timeout)
