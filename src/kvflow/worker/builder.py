@@ -32,6 +32,7 @@ from kvflow.worker.cpu_replay import CpuDecodeReplay
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_cache_shape
+from kvflow.worker.memory_fit import check_fits, checkpoint_elements, peak_resident
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.sampler import SamplingMetadata, TokenHistory, sample
 
@@ -235,6 +236,12 @@ def build_parts(args, device: str) -> EngineParts:
     scheduler = SchedulerConfig(max_model_len, batched, args.max_num_seqs, args.max_num_queued_reqs)
     eos = tokenizer.eos_token_id
     runner = _runner(args, model, hf_config, dtype, device, cache, max_model_len, eos)
+    if device == "cpu":
+        logger.info(
+            "memory at start-up: KV cache %.2f GiB, peak resident %.2f GiB (VmHWM)",
+            cache.num_blocks * kv_bytes_per_block(hf_config, args.block_size, dtype) / GIB,
+            peak_resident() / GIB,
+        )
     logger.info(
         "KV cache: %d blocks x %d tokens = %d servable tokens; max_model_len %d; dtype %s; device %s",
         cache.num_blocks,
@@ -276,8 +283,22 @@ def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str
     if faults is not None:
         max_model_len = faults.max_model_len(max_model_len)
     if model is None:
+        if device == "cpu":
+            kv = num_blocks * kv_bytes_per_block(hf_config, args.block_size, dtype)
+            _check_host_memory(path, dtype, kv)
         model, hf_config = load_quantized(path, dtype, device, backend, quantization)
     return model, hf_config, cache, max_model_len
+
+
+def _check_host_memory(path: Path, dtype: torch.dtype, kv_bytes: int) -> None:
+    """Refuse, before the load, a model whose weights and KV pool the host cannot hold."""
+    weights = checkpoint_elements(path) * torch.empty((), dtype=dtype).element_size()
+    name = str(dtype).removeprefix("torch.")
+    check_fits(
+        f"Serving {path.name} in {name}",
+        {f"weights in {name}": weights, "KV cache": kv_bytes},
+        "Lower --kv-cache-memory or --num-blocks, or serve a smaller model.",
+    )
 
 
 def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: int, eos):
