@@ -1,5 +1,5 @@
 """A model that cannot fit the memory it is given is refused at start-up, naming the sizes,
-before its weights load (`worker/memory_fit.py`)."""
+before its weights load (`memory_fit.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvflow.worker.memory_fit import GIB, available_bytes, cgroup_room, checkpoint_elements
+from kvflow.memory_fit import GIB, available_bytes, cgroup_room, checkpoint_elements
 
 START_BOUND_S = 180.0  # generous: the refusal comes before the model loads
 
@@ -60,10 +60,15 @@ def test_cgroup_v2_and_v1_limits_are_read(tmp_path: Path):
     assert cgroup_room(proc, root) is None
 
 
-def _serve(*flags: str, preexec=None) -> subprocess.CompletedProcess:
+def _serve(*flags: str, preexec=None, env=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--port", "0", *flags]
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=START_BOUND_S, preexec_fn=preexec
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=START_BOUND_S,
+        preexec_fn=preexec,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -91,17 +96,14 @@ def _cgroup_v1(limit: int) -> Path | None:
     return group
 
 
-def test_a_memory_cgroup_too_small_is_refused_naming_it():
-    group = _cgroup_v1(2 * GIB)
+def _in_cgroup(limit: int, *flags: str, env=None) -> subprocess.CompletedProcess:
+    """`kvflow serve *flags` inside a new cgroup v1 memory group of `limit` bytes."""
+    group = _cgroup_v1(limit)
     if group is None:
         pytest.skip("cannot make a cgroup v1 memory group here (not root, or cgroup v2)")
     procs = str(group / "cgroup.procs")
     try:
-        done = _serve(
-            "--kv-cache-memory",
-            "1500M",
-            preexec=lambda: Path(procs).write_text(str(os.getpid())),
-        )
+        return _serve(*flags, preexec=lambda: Path(procs).write_text(str(os.getpid())), env=env)
     finally:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -110,5 +112,29 @@ def test_a_memory_cgroup_too_small_is_refused_naming_it():
                 break
             except OSError:  # its last process is still being reaped
                 time.sleep(0.1)
+
+
+def test_a_memory_cgroup_too_small_is_refused_naming_it():
+    done = _in_cgroup(2 * GIB, "--kv-cache-memory", "1500M")
     assert done.returncode == 2, done.stderr[-2000:]
     assert "the memory cgroup's limit 2.00 GiB" in done.stderr
+
+
+def test_a_gguf_conversion_that_cannot_fit_is_refused_before_it_starts(tmp_path: Path):
+    """A fresh cache: the embedded GGUF would convert, which needs ~0.75 GiB beside the 1 GiB
+    overhead; under a 1.5 GiB cgroup that is refused, and nothing is left in the cache."""
+    done = _in_cgroup(3 * GIB // 2, env={"KVFLOW_CACHE": str(tmp_path)})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Converting SmolLM2-135M-Instruct" in done.stderr
+    assert "the float32 model and its dequantized source 0.75 GiB" in done.stderr
+    assert not [p for p in tmp_path.rglob("*") if p.is_dir() and "SmolLM2" in p.name]
+
+
+def test_gguf_elements_reads_the_tensor_infos():
+    import gguf
+
+    from kvflow.model.gguf_convert import gguf_elements
+    from kvflow.model.loader import default_gguf_path
+
+    path = default_gguf_path()
+    assert gguf_elements(path) == sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvflow.memory_fit import CONVERSION_BYTES_PER_WEIGHT, check_fits
 from kvflow.paths import cache_root, locked, scratch
 
 # GGUF general.file_type -> dtype of the original weights (quantized files: assume bfloat16).
@@ -48,6 +49,13 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
             return target
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed converter's
             shutil.rmtree(stale, ignore_errors=True)
+        weights = gguf_elements(gguf_path) * CONVERSION_BYTES_PER_WEIGHT
+        check_fits(
+            f"Converting {gguf_path.name} to float32 safetensors (once; kvflow does not yet "
+            "read a GGUF in place)",
+            {"the float32 model and its dequantized source": weights},
+            "Serve a smaller GGUF, or give the process more memory.",
+        )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         with scratch(tmp):
             tmp.chmod(0o755)
@@ -168,6 +176,29 @@ def _gguf_header_value(gguf_path: Path, key: str) -> object:
                 return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
             _skip_gguf_value(f, value_type)
     return None
+
+
+def gguf_elements(gguf_path: Path) -> int:
+    """The number of weight elements in a GGUF file, from its tensor infos alone (after the
+    key/value header, per tensor: u64-length name, u32 dims, u64 per dim, u32 type, u64
+    offset): no tensor data is read."""
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{gguf_path} is not a GGUF file")
+        _version, tensor_count, kv_count = struct.unpack("<IQQ", f.read(20))
+        for _ in range(kv_count):
+            f.seek(struct.unpack("<Q", f.read(8))[0], os.SEEK_CUR)
+            _skip_gguf_value(f, struct.unpack("<I", f.read(4))[0])
+        total = 0
+        for _ in range(tensor_count):
+            f.seek(struct.unpack("<Q", f.read(8))[0], os.SEEK_CUR)
+            (n_dims,) = struct.unpack("<I", f.read(4))
+            count = 1
+            for dim in struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims)):
+                count *= dim
+            total += count
+            f.seek(12, os.SEEK_CUR)  # type, offset
+    return total
 
 
 def _skip_gguf_value(f: Any, value_type: int) -> None:

@@ -17,6 +17,7 @@ from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from kvflow.kernels.cpu.build import native_available
 from kvflow.kernels.cpu.host_memory import keep_freed_memory
+from kvflow.memory_fit import check_fits, checkpoint_elements, peak_resident
 from kvflow.model.linear import prepack_for_cpu
 from kvflow.model.loader import (
     load_config,
@@ -32,7 +33,6 @@ from kvflow.worker.cpu_replay import CpuDecodeReplay
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_cache_shape
-from kvflow.worker.memory_fit import check_fits, checkpoint_elements, peak_resident
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.sampler import SamplingMetadata, TokenHistory, sample
 
