@@ -15,18 +15,24 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=None, help="default: the rest of the context")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="default: the model's generation config's max_new_tokens (the embedded model: 512), "
+        "else the rest of the context",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
 
 
 def _generate(args: argparse.Namespace, chat: bool) -> int:
     from kvflow import LLM, SamplingParams
+    from kvflow.server.generation_defaults import default_sampling_params
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
+    max_tokens = args.max_tokens or default_sampling_params("auto", args.model).get("max_tokens")
+    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
     if chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:

@@ -167,8 +167,37 @@ def test_generation_config_folder_and_override(tokenizer, tmp_path):
     assert response.json()["usage"]["completion_tokens"] == 5
 
 
+def test_no_request_left_at_its_defaults_runs_past_the_embedded_cap(tokenizer):
+    """The scripted runner never stops a request: only max_tokens does. A chat request that
+    sets nothing ends at the embedded model's cap; one whose prompt leaves less room than the
+    cap gets the room (not a 400); a request's own max_tokens above the cap is capped."""
+    chat = {"messages": [{"role": "user", "content": "List three prime numbers."}]}
+    long = {"messages": [{"role": "user", "content": "go " * 800}]}
+
+    async def scenario(client, engine, runner) -> dict:
+        runner.delay = 0.0
+        bodies = [chat, long, {**chat, "max_tokens": 900}, {"prompt": "Hi"}]
+        paths = ["/v1/chat/completions"] * 3 + ["/v1/completions"]
+        return {
+            "answers": [await client.post(p, json=b) for p, b in zip(paths, bodies, strict=True)]
+        }
+
+    result, _ = serve(tokenizer, [], scenario, max_model_len=1008)  # 63 usable blocks of 16
+    default, room, asked, completion = [r.json() for r in result["answers"]]
+    assert default["usage"]["completion_tokens"] == 512
+    assert default["choices"][0]["finish_reason"] == "length"
+    assert 0 < room["usage"]["completion_tokens"] < 512
+    assert room["usage"]["prompt_tokens"] + room["usage"]["completion_tokens"] == 1008
+    assert asked["usage"]["completion_tokens"] == 512
+    assert completion["usage"]["completion_tokens"] == 16  # vLLM's completions default
+
+
 def test_default_sampling_params_reads_only_vllms_fields(tmp_path):
-    assert default_sampling_params("auto", None) == EMBEDDED_MODEL_DEFAULTS
+    embedded = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
+    assert default_sampling_params("auto", None) == embedded  # max_new_tokens as the cap
+    assert EMBEDDED_MODEL_DEFAULTS["max_new_tokens"] == 512
+    no_cap = default_sampling_params("auto", None, {"max_new_tokens": None})
+    assert "max_tokens" not in no_cap  # the override's null removes the cap
     assert default_sampling_params("vllm", None) == {}
     assert default_sampling_params("vllm", None, {"temperature": 0.3}) == {"temperature": 0.3}
     (tmp_path / "config.json").write_text("{}")

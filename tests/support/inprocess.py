@@ -29,9 +29,13 @@ async def wait(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def serve(tokenizer, argv: list[str], scenario: Scenario, max_num_seqs: int = 8):
+def serve(
+    tokenizer, argv: list[str], scenario: Scenario, max_num_seqs: int = 8, max_model_len: int = 256
+):
     """Run `scenario` against a live server; returns (its result, the controller)."""
-    engine, runner = make_front_end(tokenizer, max_num_seqs=max_num_seqs)
+    engine, runner = make_front_end(
+        tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+    )
     runner.delay = 0.02
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(argv)
     app, controller = build_app(engine, args)

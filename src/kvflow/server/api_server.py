@@ -39,7 +39,7 @@ from kvflow.server.args import (
 )
 from kvflow.server.engine_view import SnapshotCache
 from kvflow.server.frontend import LoggingStatLogger, StatLoggers, install_frontend
-from kvflow.server.generation_defaults import default_sampling_params, parse_override
+from kvflow.server.generation_defaults import default_sampling_params, describe, parse_override
 from kvflow.server.http import ApiKeyMiddleware, install_error_handlers, install_openapi
 from kvflow.server.listen import bind_or_exit
 from kvflow.server.metrics import ServerMetrics
@@ -161,6 +161,7 @@ def _server_context(
         args.model or args.model_tag,
         parse_override(getattr(args, "override_generation_config", None)),
     )
+    logger.info(describe(defaults, engine.max_model_len))
     common = dict(
         served_names=list(names),
         model_root=root,

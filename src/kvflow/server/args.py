@@ -249,7 +249,7 @@ def _add_page_flags(p: argparse.ArgumentParser) -> None:
         "--generation-config",
         default="auto",
         help="request defaults from the model's generation_config.json: 'auto' (the model's; "
-        "the embedded model gets its model card's temperature 0.2, top_p 0.9), 'vllm' (none), "
+        "the embedded model gets temperature 0.2, top_p 0.9, max_new_tokens 512), 'vllm' (none), "
         "or a folder holding one",
     )
     p.add_argument(

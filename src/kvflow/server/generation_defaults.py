@@ -6,7 +6,9 @@ in that folder. Of that file only the sampling fields vLLM takes count (temperat
 top_k, min_p, repetition_penalty; `max_new_tokens` becomes a cap on `max_tokens`), as
 transformers' `to_diff_dict` reports them. A request's own value always wins; the defaults
 fill the fields it leaves out. The embedded SmolLM2-135M-Instruct GGUF carries no generation
-config, so `auto` gives it its model card's recommendation (temperature 0.2, top_p 0.9).
+config, so `auto` gives it kvflow's: its model card's sampling (temperature 0.2, top_p 0.9) and
+`max_new_tokens` 512, since a 135M model can repeat itself until its context is full (a list
+question ran to 3,437 tokens): every request left at its defaults ends.
 """
 
 from __future__ import annotations
@@ -19,8 +21,17 @@ from typing import Any
 logger = logging.getLogger("kvflow.server")
 
 SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
-# From the model card of HuggingFaceTB/SmolLM2-135M-Instruct (its transformers example).
-EMBEDDED_MODEL_DEFAULTS: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9}
+# Sampling from the model card of HuggingFaceTB/SmolLM2-135M-Instruct (its transformers
+# example); the cap on output is kvflow's (see the module's docstring).
+EMBEDDED_MODEL_DEFAULTS: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512}
+# vLLM's values for the fields a generation config leaves out (its SamplingParams' defaults).
+VLLM_SAMPLING = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 def parse_override(text: str | None) -> dict[str, Any]:
@@ -84,10 +95,22 @@ def default_sampling_params(
     defaults = {k: config[k] for k in SAMPLING_FIELDS if config.get(k) is not None}
     if config.get("max_new_tokens") is not None:
         defaults["max_tokens"] = int(config["max_new_tokens"])
-    if defaults:
-        logger.info(
-            "default sampling parameters from the model's generation config: %s "
-            "(a request's own values win; --generation-config vllm turns them off)",
-            defaults,
-        )
     return defaults
+
+
+def describe(defaults: dict[str, Any], max_model_len: int) -> str:
+    """The start-up log's account of what a request that sets nothing gets, for any model."""
+    sampling = {**VLLM_SAMPLING, **{k: v for k, v in defaults.items() if k != "max_tokens"}}
+    cap = defaults.get("max_tokens")
+    chat = (
+        f"at most {cap} (the generation config's max_new_tokens, which caps every request's)"
+        if cap is not None
+        else f"the rest of the {max_model_len}-token context"
+    )
+    completions = min(16, cap) if cap is not None else 16
+    fields = ", ".join(f"{k}={v}" for k, v in sorted(sampling.items()))
+    source = "the generation config" if defaults else "vLLM's defaults, no generation config"
+    return (
+        f"request defaults: max_tokens {chat} for chat, {completions} for completions; "
+        f"{fields} ({source}; a request's own values win)"
+    )

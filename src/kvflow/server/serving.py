@@ -191,11 +191,23 @@ class BaseServing:
 
     # ---- building requests -------------------------------------------------------------------
 
+    def _capped(self, max_tokens: int | None, prompt_len: int) -> int | None:
+        """`max_tokens` under the generation config's cap (vLLM's `max_new_tokens` rule). A
+        request that left it out (None: the rest of the context) gets the cap within the
+        context's room, so the default never makes a long prompt a 400."""
+        cap = self.sampling_defaults.get("max_tokens")
+        if cap is None:
+            return max_tokens
+        if max_tokens is None:
+            return max(1, min(cap, self.max_model_len - prompt_len))
+        return min(max_tokens, cap)
+
     def sampling_params(
         self,
         req: SamplingFields,
         max_tokens: int | None,
         logprobs: int | None,
+        prompt_len: int,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if req.use_beam_search:
@@ -215,8 +227,7 @@ class BaseServing:
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
         d = self.sampling_defaults
-        if "max_tokens" in d:
-            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens, d["max_tokens"])
+        max_tokens = self._capped(max_tokens, prompt_len)
         try:
             params = SamplingParams(
                 n=req.n,

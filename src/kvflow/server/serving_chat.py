@@ -57,7 +57,9 @@ class ChatServing(BaseServing):
         if max_tokens is None:
             max_tokens = req.max_tokens  # None: the rest of the context
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._with_plan(self.sampling_params(req, max_tokens, logprobs), plan, req)
+        params = self._with_plan(
+            self.sampling_params(req, max_tokens, logprobs, len(prompt.token_ids)), plan, req
+        )
         request_id = random_id("chatcmpl")
         streams = self.submit(request_id, [prompt], [params])
         run = _ChatRun(self, req, request_id, prompt, plan)

@@ -124,7 +124,9 @@ class CompletionServing(BaseServing):
         prompt_logprobs = req.prompt_logprobs
         if prompt_logprobs is None and req.echo:
             prompt_logprobs = req.logprobs  # echoed prompt tokens come with their logprobs
-        return self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+        return self.sampling_params(
+            req, max_tokens, req.logprobs, len(prompt.token_ids), prompt_logprobs
+        )
 
     def prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is None:
