@@ -105,9 +105,10 @@ class Recorder:
 
 
 def test_output_constraints_compile_in_the_engine_process(placement) -> None:
-    """The API side parses a constraint (a bad one is a ValueError before anything is sent);
-    the engine process compiles it and masks the logits: outputs follow the constraint, n > 1
-    included, as the in-process engine's do, and each compile time comes back for the metrics."""
+    """A bad constraint is a ValueError before anything is sent (over the engine process, the
+    engine's parse, asked once: `validate` then refuses it without asking); the engine process
+    compiles it and masks the logits: outputs follow the constraint, n > 1 included, as the
+    in-process engine's do, and each compile time comes back for the metrics."""
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -119,8 +120,12 @@ def test_output_constraints_compile_in_the_engine_process(placement) -> None:
     recorder = Recorder()
 
     async def scenario(client):
-        with pytest.raises(ValueError, match="cannot be compiled"):
-            client.validate_structured_outputs(StructuredOutputsParams(regex="(unclosed"))
+        bad = StructuredOutputsParams(regex="(unclosed")
+        with pytest.raises(ValueError, match=r"\(regex\) cannot be compiled") as asked:
+            await client.check_constraint(bad)
+        with pytest.raises(ValueError) as known:
+            client.validate(client.tokenize_prompt(PROMPT), SamplingParams(structured_outputs=bad))
+        assert str(known.value) == str(asked.value)
         json_params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_so)
         choice_params = SamplingParams(
             temperature=0.8, seed=3, n=3, max_tokens=8, structured_outputs=choice_so

@@ -2,9 +2,10 @@
 core in a child process). Killing the engine process is engine death: every client gets a
 terminal answer, /health answers 503, the server exits 1 within 5 s and leaves no process.
 Killing the API server takes the engine process with it (no orphan). With --api-server-count 2
-three processes serve one port (output constraints included: parsed by the API server, compiled
-by the engine process; a client that leaves frees its blocks within 1 s), and SIGTERM ends all
-of them with every client answered."""
+three processes serve one port (output constraints included: parsed and compiled by the engine
+process, whose refusal is the API server's 400; a client that leaves frees its blocks within
+1 s; no API server maps libtorch or xgrammar), and SIGTERM ends all of them with every client
+answered."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ import httpx
 import pytest
 
 from support.live import geometry, serving, sse_lines, start
-from support.serverproc import ServerProcess, in_background, wait_for
+from support.serverproc import (
+    ServerProcess,
+    command_line,
+    heavy_libraries,
+    in_background,
+    wait_for,
+)
 
 pytestmark = pytest.mark.placement("process")
 
@@ -133,13 +140,18 @@ def test_api_server_count_2_serves_one_port_and_stops_together() -> None:
         assert codes == [200] * 6
         status, lines = sse_lines(server, {**LONG, "max_tokens": 4})
         assert status == 200 and lines[-1] == "data: [DONE]"
-        # output constraints: parsed by the API server, compiled by the engine process
+        # output constraints: parsed and compiled by the engine process
         chat = {"messages": [{"role": "user", "content": "Pick a colour."}], "max_tokens": 8}
         picked = server.post("/v1/chat/completions", {**chat, "structured_outputs": COLOURS})
         assert picked.status_code == 200, picked.text
         assert picked.json()["choices"][0]["message"]["content"] in COLOURS["choice"]
         bad = server.post("/v1/chat/completions", {**chat, "structured_outputs": {"regex": "("}})
         assert bad.status_code == 400 and "cannot be compiled" in bad.text, bad.text
+        # the supervisor and the API servers serve text: neither torch nor xgrammar is mapped
+        fronts = [
+            p for p in [server.pid, *kids] if "kvflow.engine.core_proc" not in command_line(p)
+        ]
+        assert len(fronts) == 3 and [heavy_libraries(p) for p in fronts] == [[]] * 3
         # a client leaving mid-stream: the abort crosses and its blocks are free within 1 s
         with httpx.stream(
             "POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, timeout=60

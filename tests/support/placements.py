@@ -44,5 +44,5 @@ def front_end(placement: str, shared: Any, owner: bool = False, **kwargs: Any) -
         return AsyncEngine(LLMEngine(info, tokenizer, ThreadCore(core, info)), **kwargs)
     info = shared.ready.info
     client = ProcessCore(shared, b"api-0", owns_process=owner)
-    tokenizer = load_frontend_tokenizer(info.model_path, None)
-    return AsyncEngine(LLMEngine(info, tokenizer, client), **kwargs)
+    tokenizer = load_frontend_tokenizer(info, None)
+    return AsyncEngine(LLMEngine(info, tokenizer, client, parse_constraints=False), **kwargs)

@@ -263,3 +263,26 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# Shared libraries an API server over the engine process must not map: torch's, xgrammar's and
+# the FFI runtime xgrammar loads.
+HEAVY_LIBRARIES = ("libtorch", "xgrammar", "tvm_ffi")
+
+
+def heavy_libraries(pid: int) -> list[str]:
+    """The HEAVY_LIBRARIES files mapped in process `pid` (/proc/<pid>/maps)."""
+    paths = {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()}
+    return sorted(p for p in paths if any(name in p for name in HEAVY_LIBRARIES))
+
+
+def resident_mib(pid: int) -> float:
+    """VmRSS of process `pid`, in MiB (/proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def command_line(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")

@@ -21,6 +21,7 @@ from kvflow.engine.core_wire import EngineInfo
 from kvflow.engine.engine_core import EngineCore
 from kvflow.kv_events import make_publisher
 from kvflow.structured.backend import GrammarBackend
+from kvflow.tokenizer_files import class_path
 from kvflow.worker import null_runner
 from kvflow.worker.builder import EngineParts, build_parts, generation_eos_ids
 from kvflow.worker.tp_builder import build_tp_parts
@@ -78,6 +79,7 @@ def _assemble(args: Any, parts: EngineParts) -> tuple[EngineCore, EngineInfo, An
         dtype_name=str(parts.dtype).removeprefix("torch."),
         device=parts.device,
         structured_outputs=None if grammar is None else grammar.config,
+        tokenizer_class=class_path(tokenizer),
     )
     return core, info, tokenizer
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -195,8 +196,15 @@ class AsyncEngine:
         """Raises ValueError (vLLM's wording) for a request that could never be served."""
         return self.engine.validate(prompt_token_ids, params)
 
-    def validate_structured_outputs(self, so: StructuredOutputsParams) -> None:
-        """Raises ValueError naming what is wrong with an output constraint."""
+    async def check_constraint(self, so: StructuredOutputsParams) -> None:
+        """Raises ValueError naming what is wrong with an output constraint: parsed here, or,
+        over the engine process, by the engine (between two steps) the first time this process
+        meets it; `validate` then gives the same verdict without asking."""
+        validator = self.engine.validator
+        if validator is not None and validator.unjudged(so):
+            fields = dataclasses.asdict(so)
+            error = await self.call_utility("constraint_error", fields, type=str | None)
+            validator.record(so, error)
         self.engine.validate_structured_outputs(so)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -4,6 +4,7 @@ the server's event loop exists).
     engine_process_enabled(device)   the placement: $KVFLOW_ENGINE_PROCESS, else the engine
                                      process on CUDA (as vLLM) and a thread on the CPU
     launch_engine(args)              spawn `python -m kvflow.engine.core_proc`, wait for Ready
+    load_frontend_tokenizer(info)    the engine's tokenizer, for an API server (no torch)
 
 The wait polls in short slices so that a start-up signal's handler runs at once in this
 process (`startup.exit_during_start_up` forwards it to the engine process, which removes what
@@ -24,6 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvflow import tokenizer_files
 from kvflow.engine import core_wire as wire
 from kvflow.engine import startup
 from kvflow.engine.core_proc import LaunchSpec, set_parent_death_signal
@@ -140,12 +142,11 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> int:
         return proc.wait()
 
 
-def load_frontend_tokenizer(path: str | os.PathLike[str], chat_template: str | None) -> Any:
-    from kvflow.model.loader import load_tokenizer
-    from kvflow.worker.builder import load_chat_template
-
-    tokenizer = load_tokenizer(path)
-    load_chat_template(tokenizer, chat_template)
+def load_frontend_tokenizer(info: wire.EngineInfo, chat_template: str | None) -> Any:
+    """The tokenizer of the engine `info` describes, for a front end in another process: the
+    class the engine loaded, from the model's files, without torch (`tokenizer_files`)."""
+    tokenizer = tokenizer_files.load_as(info.model_path, info.tokenizer_class)
+    tokenizer_files.load_chat_template(tokenizer, chat_template)
     return tokenizer
 
 

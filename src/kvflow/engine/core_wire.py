@@ -66,6 +66,9 @@ class EngineInfo(msgspec.Struct, array_like=True):
     # The grammar backend's options (the front end validates with them, the core compiles);
     # None: structured outputs are not available.
     structured_outputs: StructuredOutputsConfig | None = None
+    # The engine's tokenizer class ("module:qualname", `tokenizer_files`): an API server over
+    # the engine process loads the same one without AutoTokenizer (which imports torch).
+    tokenizer_class: str = "transformers:AutoTokenizer"
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

@@ -27,7 +27,7 @@ from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.snapshot import EngineSnapshot
 from kvflow.engine.pending_grammars import PendingGrammars
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -49,6 +49,10 @@ class Runner(Protocol):
 class GrammarCompiler(Protocol):
     def compile(self, so) -> Future:
         """A Future of the compiled constraint (its exception a ValueError)."""
+        ...
+
+    def validate(self, so) -> None:
+        """Parse the constraint; raises ValueError naming what is wrong with it."""
         ...
 
 
@@ -149,6 +153,18 @@ class EngineCore:
         self.scheduler.add_request(request)
         if compiled is not None:
             self.pending_grammars.add(request, compiled)
+
+    def constraint_error(self, fields: dict) -> str | None:
+        """Why the output constraint with these StructuredOutputsParams fields cannot be
+        compiled, in the words a 400 gives; None when it can. A utility call: an API server
+        over the engine process has no grammar backend and asks this before admitting."""
+        if self.grammar is None:
+            return "Structured outputs are not available: no grammar backend."
+        try:
+            self.grammar.validate(StructuredOutputsParams(**fields))
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def abort_requests(
         self,

@@ -20,8 +20,8 @@ from kvflow.engine.engine_core import EngineCoreRequest, EngineStats
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
-from kvflow.structured.backend import ConstraintValidator
 from kvflow.structured.config import StructuredOutputsConfig
+from kvflow.structured.verdicts import EngineVerdicts
 
 logger = logging.getLogger("kvflow.engine")
 
@@ -84,9 +84,13 @@ class EngineArgs:
 
 
 class LLMEngine:
-    def __init__(self, info: EngineInfo, tokenizer: Any, core: Any) -> None:
+    def __init__(
+        self, info: EngineInfo, tokenizer: Any, core: Any, parse_constraints: bool = True
+    ) -> None:
         """`core` takes `add_request(EngineCoreRequest)` and `abort_requests(ids, status,
-        error)`: an EngineCore, or a core client (whose outputs come back later)."""
+        error)`: an EngineCore, or a core client (whose outputs come back later).
+        `parse_constraints`: output constraints are parsed here, with xgrammar (False: an API
+        server over the engine process, which keeps the engine's verdicts and loads no torch)."""
         self.info = info
         self.config = info.config
         self.tokenizer = tokenizer
@@ -99,7 +103,7 @@ class LLMEngine:
         self.core = core
         self.output_processor = OutputProcessor(tokenizer)
         so = info.structured_outputs
-        self.validator = None if so is None else ConstraintValidator(so)
+        self.validator = None if so is None else _validator(so, parse_constraints)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
@@ -162,7 +166,8 @@ class LLMEngine:
         return params
 
     def validate_structured_outputs(self, so: StructuredOutputsParams) -> None:
-        """Raises ValueError naming what is wrong with an output constraint."""
+        """Raises ValueError naming what is wrong with an output constraint (over the engine
+        process: one the engine has refused, `EngineVerdicts`)."""
         if self.validator is None:
             raise ValueError("Structured outputs are not available: no grammar backend.")
         self.validator.validate(so)
@@ -259,3 +264,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """An in-process EngineCore's counters (a server's come up in its Steps)."""
         return self.core.stats()
+
+
+def _validator(config: StructuredOutputsConfig, parse_here: bool) -> Any:
+    """A ConstraintValidator (xgrammar, and with it torch), or the engine's verdicts."""
+    if not parse_here:
+        return EngineVerdicts(config)
+    from kvflow.structured.backend import ConstraintValidator
+
+    return ConstraintValidator(config)

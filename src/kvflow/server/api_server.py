@@ -26,6 +26,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from kvflow import tokenizer_files
 from kvflow.engine import core_launch, startup
 from kvflow.engine.async_llm import AsyncEngine
 from kvflow.engine.core_client import ProcessCore, ThreadCore
@@ -271,27 +272,23 @@ def _start_engine(args: argparse.Namespace) -> LLMEngine:
         die_with_parent()
         identity = api_identity(args.api_server_index)
         ready = core_launch.wait_ready(args.engine_address, identity, None)
-        tokenizer = core_launch.load_frontend_tokenizer(ready.info.model_path, args.chat_template)
         process = EngineProcess(args.engine_address, ready)
         client: Any = ProcessCore(process, identity, owns_process=False)
     elif core_launch.engine_process_enabled(args.device):
-        from kvflow.model.loader import resolve_model
-
-        engine_args = engine_args_from(args)
-        # A conversion runs here, before the engine process starts (which then finds it done):
-        # this process's start-up signal handler removes a half-written one.
-        path = resolve_model(engine_args.model)
-        process, tokenizer = core_launch.launch_engine(
-            engine_args,
-            args.watchdog_timeout,
-            lambda: core_launch.load_frontend_tokenizer(path, args.chat_template),
+        # The engine process resolves the model (a GGUF converts there, and a start-up signal
+        # forwarded to it removes a half-written one); this one, which loads neither torch nor
+        # xgrammar (README, "Processes"), takes the tokenizer the engine names once it is ready.
+        process, _ = core_launch.launch_engine(
+            engine_args_from(args), args.watchdog_timeout, tokenizer_files.import_tokenizers
         )
         client = ProcessCore(process, api_identity(0), owns_process=True)
     else:
         core, info, tokenizer = startup.load_core(engine_args_from(args))
         return LLMEngine(info, tokenizer, ThreadCore(core, info, args.watchdog_timeout))
+    info = process.ready.info
+    tokenizer = core_launch.load_frontend_tokenizer(info, args.chat_template)
     startup.freeze_loaded()
-    return LLMEngine(process.ready.info, tokenizer, client)
+    return LLMEngine(info, tokenizer, client, parse_constraints=False)
 
 
 def _build_server(engine: LLMEngine, args: argparse.Namespace) -> _Server:

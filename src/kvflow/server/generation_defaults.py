@@ -50,7 +50,7 @@ def parse_override(text: str | None) -> dict[str, Any]:
 def _is_embedded(model: str | None) -> bool:
     if model is None:
         return True
-    from kvflow.model.loader import default_gguf_path
+    from kvflow.embedded_model import default_gguf_path
 
     try:
         return Path(model).expanduser().resolve() == default_gguf_path().resolve()

@@ -216,7 +216,7 @@ class BaseServing:
             if (req.model_extra or {}).get(name):
                 hint = " Use `structured_outputs` (vLLM's)." if name.startswith("guided_") else ""
                 raise ServingError(f"`{name}` is not supported by kvflow.{hint}", param=name)
-        structured, source = self._constraint(req)
+        structured = self._constraint(req)[0]
         if req.prompt_logprobs and req.stream:  # vLLM's rule and wording (0 is allowed)
             raise ServingError(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
@@ -255,11 +255,6 @@ class BaseServing:
             )
         except (ValueError, TypeError) as exc:
             raise ServingError(str(exc)) from exc
-        if structured is not None:
-            try:  # a constraint xgrammar cannot read is the request's fault: 400
-                self.engine.validate_structured_outputs(structured)
-            except ValueError as exc:
-                raise ServingError(str(exc), param=source) from exc
         return params
 
     @staticmethod

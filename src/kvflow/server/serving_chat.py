@@ -35,6 +35,7 @@ from kvflow.server.serving import (
     sse_events,
     usage,
 )
+from kvflow.server.structured import check_constraint
 from kvflow.server.tool_choice import ToolConfig, ToolPlan, plan_tools, tool_template
 
 logger = logging.getLogger("kvflow.server")
@@ -60,6 +61,11 @@ class ChatServing(BaseServing):
         params = self._with_plan(
             self.sampling_params(req, max_tokens, logprobs, len(prompt.token_ids)), plan, req
         )
+        so = params.structured_outputs
+        if plan.schema is None:
+            await check_constraint(self.engine, so, self._constraint(req)[1])
+        else:  # a tool schema the grammar backend cannot compile: 400 naming it
+            await check_constraint(self.engine, so, "tools", "The tools' schema: ")
         request_id = random_id("chatcmpl")
         streams = self.submit(request_id, [prompt], [params])
         run = _ChatRun(self, req, request_id, prompt, plan)
@@ -103,10 +109,6 @@ class ChatServing(BaseServing):
             params.structured_outputs = StructuredOutputsParams(
                 json=plan.schema, disable_any_whitespace=True
             )
-            try:  # a tool schema the grammar backend cannot compile: 400 naming it
-                self.engine.validate_structured_outputs(params.structured_outputs)
-            except ValueError as exc:
-                raise ServingError(f"The tools' schema: {exc}", param="tools") from exc
         if plan.parser is not None and plan.parser.keeps_special_tokens:
             params.skip_special_tokens = False
         if params.structured_outputs is not None and reasoning is not None and reasoning.thinking:

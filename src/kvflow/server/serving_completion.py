@@ -32,6 +32,7 @@ from kvflow.server.serving import (
     sse_events,
     usage,
 )
+from kvflow.server.structured import check_constraint
 
 logger = logging.getLogger("kvflow.server")
 
@@ -76,6 +77,8 @@ class CompletionServing(BaseServing):
             raise ServingError("suffix is not currently supported", param="suffix")
         prompts = self._prompts(req)
         params = [self._params(req, p) for p in prompts]
+        so = params[0].structured_outputs  # the request's, for every prompt
+        await check_constraint(self.engine, so, self._constraint(req)[1])
         request_id = random_id("cmpl")
         streams = self.submit(request_id, prompts, params)
         run = _Run(self, req, request_id, prompts)

@@ -1,5 +1,6 @@
 """A request's output constraint, as vLLM reads it: `response_format` (OpenAI's json_object /
-json_schema, vLLM's structural_tag) or vLLM's `structured_outputs` field."""
+json_schema, vLLM's structural_tag) or vLLM's `structured_outputs` field; and whether the
+grammar backend can compile it (`check_constraint`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 from dataclasses import fields
 from typing import Any
 
+from kvflow.engine.async_llm import AsyncEngine, EngineDeadError
 from kvflow.sampling_params import StructuredOutputsParams
+from kvflow.server.errors import ServingError, engine_error
 
 _FIELDS = {f.name for f in fields(StructuredOutputsParams)}
 
@@ -27,6 +30,22 @@ def constraint(
     if from_field is not None:
         return from_field, "structured_outputs"
     return from_format, "response_format"
+
+
+async def check_constraint(
+    engine: AsyncEngine, so: StructuredOutputsParams | None, param: str, prefix: str = ""
+) -> None:
+    """A constraint the grammar backend cannot compile is the request's fault: a ServingError
+    (400) naming `param`, before anything is queued. Awaited: over the engine process, the
+    engine parses a constraint this process has not met (`AsyncEngine.check_constraint`)."""
+    if so is None:
+        return
+    try:
+        await engine.check_constraint(so)
+    except ValueError as exc:
+        raise ServingError(prefix + str(exc), param=param) from exc
+    except EngineDeadError as exc:
+        raise engine_error(exc) from exc
 
 
 def _from_response_format(rf: Any) -> StructuredOutputsParams | None:

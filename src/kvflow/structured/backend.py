@@ -4,7 +4,8 @@ engine thread with a cache keyed by the constraint.
 `validate` parses a constraint on the caller's thread (milliseconds) so that a bad one is the
 request's fault (ValueError, a 400) before anything is queued; `compile` returns a Future of the
 compiled grammar, made by a worker thread, shared by every request with the same constraint.
-`ConstraintValidator` is the validating half alone, for a process that only admits requests.
+`ConstraintValidator` is the validating half alone, for the front end in the engine's process
+(an API server over the engine process has the engine's verdicts instead: `verdicts`).
 """
 
 from __future__ import annotations
@@ -21,23 +22,12 @@ import xgrammar as xgr
 
 from kvflow.sampling_params import StructuredOutputsParams
 from kvflow.structured.config import StructuredOutputsConfig
+from kvflow.structured.verdicts import CACHE_SIZE, constraint_key
 
 # Whitespace between JSON elements is capped at this many characters (enough for indented
 # JSON): small models otherwise fill max_tokens with whitespace inside an object.
 MAX_JSON_WHITESPACE = 20
-_CACHE_SIZE = 256  # compiled grammars kept (each a few hundred KB for a JSON schema)
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
-
-
-def constraint_key(so: StructuredOutputsParams, any_whitespace: bool) -> tuple:
-    """What a compiled grammar depends on: the kind, its canonical text, the whitespace rule."""
-    kind = so.kinds()[0]
-    value = getattr(so, kind)
-    if kind == "json" and not isinstance(value, str):
-        value = json.dumps(value)  # property order matters: the output follows it
-    elif kind == "choice":
-        value = tuple(value)
-    return (kind, value, any_whitespace and not so.disable_any_whitespace)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -65,8 +55,7 @@ def _message(exc: Exception) -> str:
 
 class ConstraintValidator:
     """Parses output constraints to refuse bad ones before anything is queued; needs no
-    tokenizer (an API server over the engine process validates with one of these, and the
-    engine process compiles)."""
+    tokenizer."""
 
     def __init__(self, config: StructuredOutputsConfig | None = None) -> None:
         self.config = config or StructuredOutputsConfig()
@@ -80,6 +69,11 @@ class ConstraintValidator:
     def key(self, so: StructuredOutputsParams) -> tuple:
         return constraint_key(so, self.any_whitespace)
 
+    def unjudged(self, so: StructuredOutputsParams) -> bool:
+        """False: `validate` parses any constraint here (`verdicts.EngineVerdicts` waits for
+        the engine's)."""
+        return False
+
     def validate(self, so: StructuredOutputsParams) -> None:
         """Parse the constraint; raises ValueError naming what is wrong with it."""
         key = self.key(so)
@@ -90,7 +84,7 @@ class ConstraintValidator:
         self.grammar(so)
         with self._lock:
             self._valid[key] = None
-            if len(self._valid) > _CACHE_SIZE:
+            if len(self._valid) > CACHE_SIZE:
                 self._valid.popitem(last=False)
 
     def grammar(self, so: StructuredOutputsParams) -> xgr.Grammar:
@@ -152,7 +146,7 @@ class GrammarBackend(ConstraintValidator):
                 return future
             future = self._pool.submit(self._compile, so)
             self._cache[key] = future
-            if len(self._cache) > _CACHE_SIZE:
+            if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return future
 

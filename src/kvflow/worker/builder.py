@@ -29,6 +29,7 @@ from kvflow.model.loader import (
 )
 from kvflow.model.quantize import describe, quantize_model, resolve_quantization
 from kvflow.sampling_params import SamplingParams
+from kvflow.tokenizer_files import load_chat_template
 from kvflow.worker.cpu_replay import CpuDecodeReplay
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.faults import FaultPlan
@@ -186,13 +187,6 @@ def attention_backend(device: str) -> AttentionBackend:
 
         return triton_paged_attention
     return cpu_paged_attention
-
-
-def load_chat_template(tokenizer, chat_template: str | None) -> None:
-    if chat_template is None:
-        return
-    path = Path(chat_template)
-    tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
 
 
 def load_quantized(path: Path, dtype: torch.dtype, device: str, backend, quantization: str):

@@ -20,12 +20,8 @@ from kvflow.model.gguf_quant import quant_file
 from kvflow.model.loader import load_config, load_tokenizer, resolve_dtype, resolve_model
 from kvflow.model.quantize import describe, resolve_quantization
 from kvflow.model.tensor_parallel import check_divisible
-from kvflow.worker.builder import (
-    EngineParts,
-    default_max_num_batched_tokens,
-    load_chat_template,
-    model_context_len,
-)
+from kvflow.tokenizer_files import load_chat_template
+from kvflow.worker.builder import EngineParts, default_max_num_batched_tokens, model_context_len
 from kvflow.worker.faults import FaultPlan
 from kvflow.worker.tp_worker import RankSpec
 
