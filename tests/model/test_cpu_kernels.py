@@ -15,6 +15,7 @@ from kvflow.attention import AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.kernels.cpu import build, ops
 from kvflow.kernels.cpu.linear import bf16_linear, pack_linear_weight
+from kvflow.kernels.cpu.onednn import pack_weight
 from kvflow.model import layers, load_model, resolve_model
 from kvflow.worker.kv_cache import allocate_kv_caches
 
@@ -56,6 +57,39 @@ def test_bf16_linear_reads_strided_input_and_propagates_nan() -> None:
     x[1, 5] = float("nan")
     out = _linear(x, w, None)
     assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+def test_bf16_linear_float32_output_is_the_unrounded_sum(rows) -> None:
+    """The logits head's kernel: float32 sums (no rounding to bf16's grid, where two logits
+    closer than a step come out level), which round to exactly the bf16 kernel's results."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576).bfloat16()
+    w = (torch.randn(1000, 576) / 4).bfloat16()
+    b = torch.randn(1000).bfloat16()
+    packed = pack_linear_weight(w)
+    assert packed is not None
+    got = bf16_linear(x, packed, b, 1000, out_dtype=torch.float32)
+    assert got.shape == (rows, 1000) and got.dtype == torch.float32
+    exact = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)
+    assert (got != got.bfloat16().float()).float().mean() > 0.9
+    assert torch.equal(got.bfloat16(), bf16_linear(x, packed, b, 1000))
+
+
+def test_logits_head_sums_bf16_rows_in_float32() -> None:
+    """`logits_linear` of bf16 rows on the CPU: the float32 sums with the native packing and
+    without it, at a decode's rows and at a prompt's many."""
+    torch.manual_seed(0)
+    w = (torch.randn(3000, 576) / 4).bfloat16()
+    packed, native = pack_weight(w), pack_linear_weight(w)
+    for rows in (1, 200):
+        x = torch.randn(rows, 576).bfloat16()
+        exact = x.double() @ w.double().T
+        for head in ((packed, native), (None, None)):
+            got = layers.logits_linear(x, w, *head)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)
 
 
 def test_pack_applies_to_bf16_cpu_weights_with_even_inputs_only() -> None:

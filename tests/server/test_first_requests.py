@@ -1,7 +1,13 @@
 """A newcomer's first requests, as the README writes them, against the embedded model served
 with its defaults (bf16, `--generation-config auto`): each ends within a bound, the headline
 question is answered right, and the log says what a request that
-sets nothing gets. (That such a request ends at the cap: test_engine_view.)"""
+sets nothing gets. (That such a request ends at the cap: test_engine_view.)
+
+The headline question's first token is a near-tie ("The" ahead of "L" by 0.08 in
+transformers' float32 logprobs): rounded to bf16, logits of about 16 move in steps of 0.125,
+so a head whose logits went through bf16 could make the two level, and the argmax took "L"
+(the lower id), which answered "L'Étoile, ...". The head's logits are float32 sums
+(`model.linear.logits_linear`); the served answer is the offline LLM's, token for token."""
 
 from __future__ import annotations
 
@@ -12,13 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from support.serverproc import ServerProcess, start_server
+from kvflow import LLM, SamplingParams
+from support.serverproc import MODEL, ServerProcess, start_server
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 CAP = 512  # generation_defaults.EMBEDDED_MODEL_DEFAULTS["max_new_tokens"]
 # Generous: 512 tokens of a 135M model on 2 busy cores; a request that loops to the end of the
 # context (the defect) takes minutes.
 REQUEST_BOUND_S = 300.0
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TOKENS = 32
 
 
 def readme_requests() -> list[tuple[str, dict]]:
@@ -59,6 +68,37 @@ def test_readme_requests_end_and_answer(readme_server: ServerProcess, path: str,
     text = choice["message"]["content"] if "message" in choice else choice["text"]
     if "capital of France" in json.dumps(body):
         assert "Paris" in text
+
+
+def test_server_and_offline_llm_give_the_same_tokens(readme_server: ServerProcess):
+    """The same rendered prompt (the server's /tokenize of the messages is the offline chat
+    template's ids), greedy with EOS ignored: the same tokens, texts and logprobs."""
+    offline = LLM(None, num_blocks=128, max_model_len=1024)
+    rendered = offline.get_tokenizer().apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert readme_server.post("/tokenize", {"messages": QUESTION}).json()["tokens"] == rendered
+    served = readme_server.client().chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=TOKENS,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
+    ours = offline.generate({"prompt_token_ids": rendered}, params)[0].outputs[0]
+    assert len(ours.token_ids) == served.usage.completion_tokens == TOKENS
+    content = served.choices[0].logprobs.content
+    tokens = [
+        entry[t].decoded_token for t, entry in zip(ours.token_ids, ours.logprobs, strict=True)
+    ]
+    assert [c.token for c in content] == tokens
+    assert [c.logprob for c in content] == pytest.approx(
+        [entry[t].logprob for t, entry in zip(ours.token_ids, ours.logprobs, strict=True)], abs=1e-5
+    )
+    assert served.choices[0].message.content == ours.text
+    assert "Paris" in ours.text
 
 
 def test_the_start_up_log_states_the_defaults(readme_server: ServerProcess):

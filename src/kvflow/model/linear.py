@@ -74,13 +74,24 @@ def logits_linear(
     quant: quant_kernels.Quantized | None = None,
     float32: bool = True,
 ) -> torch.Tensor:
-    """float32 logits of hidden rows x [N, hidden] by the head's weight [vocab, hidden]:
-    `linear` in the model's dtype, then float32 (with `float32` False: as `linear` gives them,
-    for a reader that widens only the rows it needs). A decode row on CUDA stores its logits in
-    float32 straight from the one-row kernel where that wins, saving the conversion's kernel."""
+    """float32 logits of hidden rows x [N, hidden] by the head's weight [vocab, hidden].
+
+    On the CPU the products are summed in float32 and never rounded to the model's dtype: a
+    bf16 logit of about 16 moves in steps of 0.125, so two tokens closer than that come out
+    level and the argmax takes the lower id (the headline question's "The" against "L"). So
+    bf16 rows take the native kernel's float32 output at every row count, a quantized head
+    takes the float32 activations' kernel (`quant_kernels`: codes widened in registers, or
+    the weight dequantized to float32 for many rows). On CUDA: `linear` in the model's dtype
+    (a decode row's one-row kernel stores float32 where it wins), then float32 unless
+    `float32` is False (for a reader that widens only the rows it needs)."""
     if quant is not None:  # the head's quantized weight (`model.quantize`); `weight` shapes it
-        out = quant_kernels.apply(x, quant, None)
+        cpu = isinstance(quant, QuantizedWeight)
+        out = quant_kernels.apply(x.float() if cpu else x, quant, None)
         return out.float() if float32 else out
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        if native is not None:
+            return bf16_linear(x, native, None, weight.shape[0], out_dtype=torch.float32)
+        return F.linear(x.float(), weight.float())
     ops = one_row_ops(x)
     if ops is not None:
 

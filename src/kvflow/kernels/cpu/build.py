@@ -84,8 +84,9 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("native CPU kernel unavailable (%s): using torch's matmul", detail.strip())
         return None
-    lib.kvflow_bf16_linear.restype = None
-    lib.kvflow_bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    for name in ("kvflow_bf16_linear", "kvflow_bf16_linear_f32"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     lib.kvflow_paged_attention.restype = None
     ptr, num = ctypes.c_void_p, ctypes.c_int
     lib.kvflow_paged_attention.argtypes = [ptr, num, ptr, ptr, num, ptr, ptr, ptr, ptr, num]

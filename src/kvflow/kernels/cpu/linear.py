@@ -26,16 +26,22 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def bf16_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias) -> [M, out_features], all bf16 on the CPU, through the weight
-    packed by `pack_linear_weight`."""
+    """x [M, K] @ weight.T (+ bias) -> [M, out_features], bf16 on the CPU, through the weight
+    packed by `pack_linear_weight`. `out_dtype` float32: the float32 sums as they are, unrounded
+    (the logits head's)."""
     lib = library()
     assert lib is not None, "pack_linear_weight returns None without the library"
     x = x.contiguous()
     rows, inner = x.shape
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    lib.kvflow_bf16_linear(
+    out = torch.empty(rows, out_features, dtype=out_dtype)
+    kernel = lib.kvflow_bf16_linear_f32 if out_dtype == torch.float32 else lib.kvflow_bf16_linear
+    kernel(
         x.data_ptr(),
         packed.data_ptr(),
         None if bias is None else bias.data_ptr(),

@@ -2,6 +2,7 @@
  * by reading memory (weights, then K/V) once:
  *
  *   kvflow_bf16_linear      y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), bf16 in and out
+ *                           (kvflow_bf16_linear_f32: float32 out, for the logits head)
  *   kvflow_paged_attention  any step's tokens (prompts, chunks, decodes) over a paged KV cache;
  *                           prompts on AMX-BF16 tiles where the CPU has them
  *
@@ -115,8 +116,8 @@ static inline acc_t pair_fma(acc_t acc, uint32_t xpair, const uint16_t *w) {
 
 /* Rows m0 .. m0 + rows - 1 of x against column tile `t` (rows <= MT, a constant per call). */
 static inline __attribute__((always_inline)) void linear_tile(
-    const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int N, int K,
-    int t, int m0, const int rows) {
+    const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, float *yf, int N,
+    int K, int t, int m0, const int rows) {
     acc_t acc[MT][2];
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = acc_zero();
     const uint16_t *w = wp + (size_t)t * K * NB;
@@ -133,9 +134,12 @@ static inline __attribute__((always_inline)) void linear_tile(
         float out[NB];
         memcpy(out, &acc[m][0], sizeof(float) * 16);
         memcpy(out + 16, &acc[m][1], sizeof(float) * 16);
-        uint16_t *yrow = y + (size_t)(m0 + m) * N + n0;
-        for (int c = 0; c < cols; c++)
-            yrow[c] = float_to_bf16(out[c] + (bias ? bf16_to_float(bias[n0 + c]) : 0.0f));
+        size_t at = (size_t)(m0 + m) * N + n0;
+        for (int c = 0; c < cols; c++) {
+            float v = out[c] + (bias ? bf16_to_float(bias[n0 + c]) : 0.0f);
+            if (yf) yf[at + c] = v;
+            else y[at + c] = float_to_bf16(v);
+        }
     }
 }
 
@@ -268,6 +272,28 @@ static void linear_amx_large(const uint16_t *x, const uint16_t *wp, const uint16
 int kvflow_amx_init(void) { return 0; }
 #endif
 
+/* The vector path's column tiles split between threads; the result goes to y (bf16) or, where
+ * yf is given, to yf (float32, unrounded). */
+static void linear_tiles(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                         float *yf, int M, int N, int K) {
+    int tiles = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        for (int m0 = 0; m0 < M; m0 += MT) {
+            switch (M - m0 < MT ? M - m0 : MT) {  /* constant row counts: fully unrolled */
+                case 8: linear_tile(x, wp, bias, y, yf, N, K, t, m0, 8); break;
+                case 7: linear_tile(x, wp, bias, y, yf, N, K, t, m0, 7); break;
+                case 6: linear_tile(x, wp, bias, y, yf, N, K, t, m0, 6); break;
+                case 5: linear_tile(x, wp, bias, y, yf, N, K, t, m0, 5); break;
+                case 4: linear_tile(x, wp, bias, y, yf, N, K, t, m0, 4); break;
+                case 3: linear_tile(x, wp, bias, y, yf, N, K, t, m0, 3); break;
+                case 2: linear_tile(x, wp, bias, y, yf, N, K, t, m0, 2); break;
+                default: linear_tile(x, wp, bias, y, yf, N, K, t, m0, 1); break;
+            }
+        }
+    }
+}
+
 void kvflow_bf16_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
                         int M, int N, int K) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -276,23 +302,15 @@ void kvflow_bf16_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *b
         return;
     }
 #endif
+    linear_tiles(x, wp, bias, y, NULL, M, N, K);
+}
 
-    int tiles = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        for (int m0 = 0; m0 < M; m0 += MT) {
-            switch (M - m0 < MT ? M - m0 : MT) {  /* constant row counts: fully unrolled */
-                case 8: linear_tile(x, wp, bias, y, N, K, t, m0, 8); break;
-                case 7: linear_tile(x, wp, bias, y, N, K, t, m0, 7); break;
-                case 6: linear_tile(x, wp, bias, y, N, K, t, m0, 6); break;
-                case 5: linear_tile(x, wp, bias, y, N, K, t, m0, 5); break;
-                case 4: linear_tile(x, wp, bias, y, N, K, t, m0, 4); break;
-                case 3: linear_tile(x, wp, bias, y, N, K, t, m0, 3); break;
-                case 2: linear_tile(x, wp, bias, y, N, K, t, m0, 2); break;
-                default: linear_tile(x, wp, bias, y, N, K, t, m0, 1); break;
-            }
-        }
-    }
+/* kvflow_bf16_linear with float32 results, the accumulators unrounded: what the logits head
+ * takes, so that two logits within a bf16 step of each other keep their order (rounded, they
+ * are level and the argmax takes the lower token id). The vector path on every CPU. */
+void kvflow_bf16_linear_f32(const uint16_t *x, const uint16_t *wp, const uint16_t *bias,
+                            float *y, int M, int N, int K) {
+    linear_tiles(x, wp, bias, NULL, y, M, N, K);
 }
 
 static inline v16f vselect(v16i mask, v16f a, v16f b) { /* a where mask (all bits), else b */
