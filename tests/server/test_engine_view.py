@@ -151,6 +151,18 @@ def test_generation_config_auto_gives_the_embedded_model_its_card_values(tokeniz
     assert (plain.temperature, plain.top_p) == (1.0, 1.0)
 
 
+def test_the_embedded_model_penalizes_repeats_in_constrained_requests_alone():
+    """(The served path: test_first_requests' parse() against the embedded model.)"""
+    from kvflow.server.generation_defaults import request_defaults
+
+    embedded = default_sampling_params("auto", None)
+    assert request_defaults(embedded, constrained=True)["repetition_penalty"] == 1.2
+    assert "repetition_penalty" not in request_defaults(embedded, constrained=False)
+    assert request_defaults(default_sampling_params("vllm", None), constrained=True) == {}
+    off = default_sampling_params("auto", None, {"constrained_repetition_penalty": None})
+    assert "repetition_penalty" not in request_defaults(off, constrained=True)
+
+
 def test_generation_config_folder_and_override(tokenizer, tmp_path):
     config = {"temperature": 0.6, "top_k": 20, "max_new_tokens": 5, "do_sample": True}
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
@@ -193,7 +205,12 @@ def test_no_request_left_at_its_defaults_runs_past_the_embedded_cap(tokenizer):
 
 
 def test_default_sampling_params_reads_only_vllms_fields(tmp_path):
-    embedded = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
+    embedded = {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "max_tokens": 512,
+        "constrained_repetition_penalty": 1.2,
+    }
     assert default_sampling_params("auto", None) == embedded  # max_new_tokens as the cap
     assert EMBEDDED_MODEL_DEFAULTS["max_new_tokens"] == 512
     no_cap = default_sampling_params("auto", None, {"max_new_tokens": None})

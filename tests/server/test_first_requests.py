@@ -1,6 +1,6 @@
 """A newcomer's first requests, as the README writes them, against the embedded model served
 with its defaults (bf16, `--generation-config auto`): each ends within a bound, the headline
-question is answered right, and the log says what a request that
+question is answered right, `parse()` gets its lists, and the log says what a request that
 sets nothing gets. (That such a request ends at the cap: test_engine_view.)
 
 The headline question's first token is a near-tie ("The" ahead of "L" by 0.08 in
@@ -16,7 +16,9 @@ import re
 import shlex
 from pathlib import Path
 
+import openai
 import pytest
+from pydantic import BaseModel
 
 from kvflow import LLM, SamplingParams
 from support.serverproc import MODEL, ServerProcess, start_server
@@ -115,3 +117,42 @@ def test_the_log_states_vllms_defaults_without_a_generation_config():
     assert "the rest of the 4096-token context for chat, 16 for completions" in line
     assert "temperature=1.0" in line and "repetition_penalty=1.0" in line
 
+
+class Primes(BaseModel):
+    primes: list[int]
+
+
+class Shopping(BaseModel):
+    store: str
+    items: list[str]
+
+
+class Trip(BaseModel):
+    city: str
+    days: int
+    activities: list[str]
+
+
+@pytest.mark.parametrize(
+    "schema, question",
+    [
+        (Primes, "List three prime numbers."),
+        (Shopping, "Make a short shopping list for a pancake breakfast."),
+        (Trip, "Plan a two-day trip to Rome with a few activities."),
+    ],
+)
+def test_parse_with_list_fields_at_the_defaults(readme_server: ServerProcess, schema, question):
+    """`client.chat.completions.parse()` as a newcomer calls it (no max_tokens, the default
+    sampling): a list that repeats an item until the cap is a LengthFinishReasonError."""
+    client = readme_server.client(timeout=REQUEST_BOUND_S)
+    parsed = 0
+    for seed in range(6):
+        messages = [{"role": "user", "content": question}]
+        try:
+            client.chat.completions.parse(
+                model=MODEL, messages=messages, response_format=schema, seed=seed
+            )
+            parsed += 1
+        except openai.LengthFinishReasonError:
+            pass
+    assert parsed >= 5

@@ -8,7 +8,11 @@ transformers' `to_diff_dict` reports them. A request's own value always wins; th
 fill the fields it leaves out. The embedded SmolLM2-135M-Instruct GGUF carries no generation
 config, so `auto` gives it kvflow's: its model card's sampling (temperature 0.2, top_p 0.9) and
 `max_new_tokens` 512, since a 135M model can repeat itself until its context is full (a list
-question ran to 3,437 tokens): every request left at its defaults ends.
+question ran to 3,437 tokens): every request left at its defaults ends. One more is kvflow's
+own: `constrained_repetition_penalty` 1.2 stands for `repetition_penalty` in a request with an
+output constraint that sets none. The model never sees the schema, and held to JSON it repeats
+a string's words or a list's items until the cap (`parse()` got 1 of 18 lists); at 1.2 it
+closes them (17 of 18), where in free text 1.2 lengthens the answers (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -21,9 +25,15 @@ from typing import Any
 logger = logging.getLogger("kvflow.server")
 
 SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+CONSTRAINED = "constrained_repetition_penalty"  # kvflow's: see the module's docstring
 # Sampling from the model card of HuggingFaceTB/SmolLM2-135M-Instruct (its transformers
 # example); the cap on output is kvflow's (see the module's docstring).
-EMBEDDED_MODEL_DEFAULTS: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512}
+EMBEDDED_MODEL_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "max_new_tokens": 512,
+    "constrained_repetition_penalty": 1.2,
+}
 # vLLM's values for the fields a generation config leaves out (its SamplingParams' defaults).
 VLLM_SAMPLING = {
     "temperature": 1.0,
@@ -92,9 +102,17 @@ def default_sampling_params(
     """The defaults for requests' sampling fields (vLLM's `default_sampling_params`): the
     generation config's sampling fields, then `override`; `max_new_tokens` as `max_tokens`."""
     config = {**_model_config(generation_config, model), **(override or {})}
-    defaults = {k: config[k] for k in SAMPLING_FIELDS if config.get(k) is not None}
+    defaults = {k: config[k] for k in (*SAMPLING_FIELDS, CONSTRAINED) if config.get(k) is not None}
     if config.get("max_new_tokens") is not None:
         defaults["max_tokens"] = int(config["max_new_tokens"])
+    return defaults
+
+
+def request_defaults(defaults: dict[str, Any], constrained: bool) -> dict[str, Any]:
+    """The defaults one request takes: with an output constraint, `CONSTRAINED` stands for
+    repetition_penalty where the generation config sets it."""
+    if constrained and CONSTRAINED in defaults:
+        return {**defaults, "repetition_penalty": defaults[CONSTRAINED]}
     return defaults
 
 

@@ -21,6 +21,7 @@ from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.server.chat_messages import template_message
 from kvflow.server.errors import ServingError, engine_error
+from kvflow.server.generation_defaults import request_defaults
 from kvflow.server.protocol import (
     UNSUPPORTED_FIELDS,
     ChatTemplateFields,
@@ -192,9 +193,8 @@ class BaseServing:
     # ---- building requests -------------------------------------------------------------------
 
     def _capped(self, max_tokens: int | None, prompt_len: int) -> int | None:
-        """`max_tokens` under the generation config's cap (vLLM's `max_new_tokens` rule). A
-        request that left it out (None: the rest of the context) gets the cap within the
-        context's room, so the default never makes a long prompt a 400."""
+        """`max_tokens` under the generation config's cap (vLLM's `max_new_tokens` rule); left
+        out (None), the cap within the context's room: the default never makes a 400."""
         cap = self.sampling_defaults.get("max_tokens")
         if cap is None:
             return max_tokens
@@ -226,7 +226,7 @@ class BaseServing:
             raise ServingError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
-        d = self.sampling_defaults
+        d = request_defaults(self.sampling_defaults, structured is not None)
         max_tokens = self._capped(max_tokens, prompt_len)
         try:
             params = SamplingParams(
