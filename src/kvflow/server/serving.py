@@ -195,12 +195,10 @@ class BaseServing:
     def _capped(self, max_tokens: int | None, prompt_len: int) -> int | None:
         """`max_tokens` under the generation config's cap (vLLM's `max_new_tokens` rule); left
         out (None), the cap within the context's room: the default never makes a 400."""
-        cap = self.sampling_defaults.get("max_tokens")
-        if cap is None:
-            return max_tokens
-        if max_tokens is None:
-            return max(1, min(cap, self.max_model_len - prompt_len))
-        return min(max_tokens, cap)
+        cap, room = self.sampling_defaults.get("max_tokens"), self.max_model_len - prompt_len
+        if cap is None or (max_tokens is not None and max_tokens > room):
+            return max_tokens  # beyond the room: refused with the numbers (LLMEngine.validate)
+        return max(1, min(cap, room)) if max_tokens is None else min(max_tokens, cap)
 
     def sampling_params(
         self,
