@@ -49,7 +49,10 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
             return target
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed converter's
             shutil.rmtree(stale, ignore_errors=True)
-        weights = gguf_elements(gguf_path) * CONVERSION_BYTES_PER_WEIGHT
+        try:
+            weights = gguf_elements(gguf_path) * CONVERSION_BYTES_PER_WEIGHT
+        except (OSError, ValueError, struct.error):  # transformers' reader names what is wrong
+            weights = 0
         check_fits(
             f"Converting {gguf_path.name} to float32 safetensors (once; kvflow does not yet "
             "read a GGUF in place)",

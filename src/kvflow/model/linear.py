@@ -88,10 +88,6 @@ def logits_linear(
         cpu = isinstance(quant, QuantizedWeight)
         out = quant_kernels.apply(x.float() if cpu else x, quant, None)
         return out.float() if float32 else out
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        if native is not None:
-            return bf16_linear(x, native, None, weight.shape[0], out_dtype=torch.float32)
-        return F.linear(x.float(), weight.float())
     ops = one_row_ops(x)
     if ops is not None:
 
@@ -100,6 +96,10 @@ def logits_linear(
 
         if tuning.gemv_wins("logits", x, weight, None, gemv, lambda: F.linear(x, weight).float()):
             return gemv()
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        if native is not None:
+            return bf16_linear(x, native, None, weight.shape[0], out_dtype=torch.float32)
+        return F.linear(x.float(), weight.float())
     out = linear(x, weight, None, packed, native)
     return out.float() if float32 else out
 
