@@ -14,6 +14,9 @@ from support.serverproc import PLACEMENTS, placement_env
 # Engines and servers the tests start take this instead of the 4 GiB default: zeroing 4 GiB for
 # every engine cost the suite seconds each, and no test needs more (tests of the default unset it).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The engine loop on a thread gets its messages through the engine process's encoding
+# (`ThreadCore`): a field that cannot cross the wire fails in both placements.
+os.environ.setdefault("KVFLOW_WIRE_CHECK", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

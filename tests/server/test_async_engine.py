@@ -1,10 +1,14 @@
 """AsyncEngine over its engine loop on a thread (`ThreadCore`), the core a real EngineCore with
-a scripted runner (no model, no torch work): what the front end promises in either placement
-(tests/engine/test_core_process.py and the liveness suite run the engine process)."""
+a scripted runner (no model, no torch work): what the front end promises in either placement.
+
+Placement: the thread alone, because the scripted runner lives in this process; under tests the
+thread's messages pass through the engine process's encoding (`ThreadCore`), and the engine
+process itself is tested in tests/engine/test_core_process.py and the liveness suite."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -141,6 +145,51 @@ def test_a_request_is_validated_once_on_its_way_to_the_core():
     assert checked == [250]
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     assert tokens == 2 * (256 - 250)
+
+
+def test_a_batch_of_prompts_is_refused_whole():
+    """`add_requests` (a completions prompt list): one prompt refused by validation sends none;
+    a queue that fills part way aborts the ones sent, which end with a terminal output."""
+
+    async def main():
+        engine, _, _ = make_engine(max_num_seqs=1, max_num_queued_reqs=0)
+        engine.start()
+        with pytest.raises(ValueError, match="maximum context length"):
+            engine.add_requests(
+                ["a", "b"], [PROMPT, list(range(300))], [params(), params()], [None, None]
+            )
+        sent_after_refusal = engine.client.adds_sent
+        with pytest.raises(EngineUnavailableError):
+            engine.add_requests(
+                ["c", "d"], [PROMPT, PROMPT], [params(200), params(200)], [None, None]
+            )
+        assert not engine.request_ids()
+        stats = await engine.call_utility("stats")
+        await engine.shutdown(0)
+        return sent_after_refusal, stats
+
+    sent_after_refusal, stats = run(main())
+    assert sent_after_refusal == 0
+    assert stats["num_waiting"] == stats["num_running"] == 0
+
+
+def test_what_cannot_cross_the_wire_fails_on_the_thread_too():
+    """Under tests ThreadCore passes every message through the engine process's msgspec
+    encoding: a field the wire cannot carry (bytes where a str goes) is refused here as over
+    the process, and the engine goes on serving."""
+
+    async def main():
+        engine, _, _ = make_engine()
+        engine.start()
+        bad = SamplingParams(max_tokens=3, stop=[b"x"], ignore_eos=True, detokenize=False)
+        with pytest.raises(ValueError, match=r"sampling_params\.stop"):
+            engine.add_request("bad", PROMPT, bad)
+        outputs = [o async for o in engine.generate("good", PROMPT, params(3))]
+        await engine.shutdown(0)
+        return outputs
+
+    assert os.environ.get("KVFLOW_WIRE_CHECK") == "1"  # tests/conftest.py
+    assert run(main())[-1].finished
 
 
 def test_idle_engine_sleeps_instead_of_stepping():

@@ -1,6 +1,10 @@
 """GET /v1/engine/snapshot, the page's routes and --generation-config, through the whole HTTP
 stack in process over a real LLMEngine with the scripted runner (steps of a known length, no
-model): what a request's blocks and the queue look like, the rate bound, the API key."""
+model): what a request's blocks and the queue look like, the rate bound, the API key.
+
+Placement: the thread alone, because the scripted runner lives in this process; under tests the
+thread's messages pass through the engine process's encoding (`ThreadCore`), and the engine
+process itself is tested in tests/engine/test_core_process.py and the liveness suite."""
 
 from __future__ import annotations
 

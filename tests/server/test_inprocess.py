@@ -1,6 +1,10 @@
 """The whole HTTP stack in process (the app and uvicorn) over a real LLMEngine whose scripted
 runner can be told to raise: engine death and the queue limit, which a real model cannot be
-made to show on demand."""
+made to show on demand.
+
+Placement: the thread alone, because the scripted runner lives in this process; under tests the
+thread's messages pass through the engine process's encoding (`ThreadCore`), and the engine
+process itself is tested in tests/engine/test_core_process.py and the liveness suite."""
 
 from __future__ import annotations
 

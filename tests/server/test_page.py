@@ -43,7 +43,7 @@ KEY = "page-test-key"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(placement: str):
     """One server for the module, with --api-key (a start-up is the costly part)."""
     srv = start_server("--api-key", KEY)
     yield srv

@@ -1,7 +1,11 @@
 """Reasoning output and the tool parsers through the whole HTTP stack, on model outputs the
 embedded 135M model cannot be made to write (`<think>` sections, other models' call formats):
 the server runs in process over a real LLMEngine whose scripted runner emits the tokens of a
-recorded output. The openai client reads both the whole response and the stream."""
+recorded output. The openai client reads both the whole response and the stream.
+
+Placement: the thread alone, because the scripted runner lives in this process; under tests the
+thread's messages pass through the engine process's encoding (`ThreadCore`), and the engine
+process itself is tested in tests/engine/test_core_process.py and the liveness suite."""
 
 from __future__ import annotations
 

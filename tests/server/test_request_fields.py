@@ -31,7 +31,7 @@ def test_an_unknown_field_is_logged_once_per_name(server):
 
 
 @pytest.fixture(scope="module")
-def strict():
+def strict(placement: str):
     srv = start_server("--strict-request-fields")
     yield srv
     srv.stop()

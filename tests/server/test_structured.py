@@ -24,7 +24,7 @@ TINY_POOL = ["--num-blocks", "32", "--block-size", "16"]
 
 
 @pytest.fixture(scope="module")
-def tiny() -> ServerProcess:
+def tiny(placement: str) -> ServerProcess:
     srv = start_server("--log-engine-steps", geometry=TINY_POOL)
     yield srv
     srv.stop()
@@ -52,6 +52,9 @@ def _checked(client: openai.OpenAI, model, seed: int) -> str | None:
     return None
 
 
+# What it counts is the model's output under the constrained penalty, which the placement does
+# not touch; the other tests here run in both.
+@pytest.mark.placement("process")
 def test_parse_returns_a_valid_object_for_every_schema_and_seed(tiny: ServerProcess) -> None:
     """21 pydantic models x 2 seeds, 42 requests in flight in a 496-token KV pool: each
     answer parses into its model and validates against the model's JSON schema, though

@@ -53,7 +53,7 @@ COMMON = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0.8, max_token
 
 
 @pytest.fixture(scope="module")
-def tool_server():
+def tool_server(placement: str):
     srv = start_server("--enable-auto-tool-choice", "--tool-call-parser", "xlam")
     yield srv
     srv.stop()

@@ -192,10 +192,6 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Raises ValueError (vLLM's wording) for a request that could never be served."""
-        return self.engine.validate(prompt_token_ids, params)
-
     async def check_constraint(self, so: StructuredOutputsParams) -> None:
         """Raises ValueError naming what is wrong with an output constraint: parsed here, or,
         over the engine process, by the engine (between two steps) the first time this process
@@ -217,15 +213,47 @@ class AsyncEngine:
         params: SamplingParams,
         prompt: str | None = None,
     ) -> RequestStream:
-        """Validate and send a request. Raises ValueError, EngineUnavailableError or
-        EngineDeadError before anything is sent."""
+        """Validate and send one request (`add_requests`)."""
+        return self.add_requests([request_id], [prompt_token_ids], [params], [prompt])[0]
+
+    def add_requests(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[list[int]],
+        params: list[SamplingParams],
+        prompts: list[str | None],
+    ) -> list[RequestStream]:
+        """Validate every request (once: `LLMEngine.validate`), then send them all; a request
+        that is refused queues nothing for the others (those sent before a late refusal, a full
+        queue, are aborted). Raises ValueError, EngineUnavailableError or EngineDeadError."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         if not (self._accepting and self._started):
             raise EngineUnavailableError("The server is shutting down.")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = self.engine.validate(prompt_token_ids, params)
+        if clash := [r for r in request_ids if r in self._streams]:
+            raise ValueError(f"request id {clash[0]!r} is already in use")
+        checked = [
+            self.engine.validate(ids, p) for ids, p in zip(prompt_token_ids, params, strict=True)
+        ]
+        streams: list[RequestStream] = []
+        try:
+            for rid, ids, p, text in zip(
+                request_ids, prompt_token_ids, checked, prompts, strict=True
+            ):
+                streams.append(self._send(rid, ids, p, text))
+        except (ValueError, EngineUnavailableError):
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+    def _send(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+    ) -> RequestStream:
         self._check_queue()
         if not self._busy:
             self._busy, self._heard = True, time.monotonic()

@@ -34,6 +34,7 @@ from kvflow.engine.engine_core import EngineCore, EngineCoreRequest
 
 logger = logging.getLogger("kvflow.engine")
 
+WIRE_CHECK_ENV = "KVFLOW_WIRE_CHECK"
 _DISCONNECT_WAIT_S = 5.0  # after the process exits, how long its socket may take to close
 
 
@@ -67,11 +68,15 @@ class _Commands:
 
 
 class ThreadCore(_Commands):
-    """The loop on a thread of this process, over `core` (which it closes when it ends)."""
+    """The loop on a thread of this process, over `core` (which it closes when it ends).
+    With $KVFLOW_WIRE_CHECK=1 (the test suite sets it) every message down and up goes through
+    the engine process's msgspec encoding, so a field that cannot cross the wire fails in this
+    placement too, not in the other alone."""
 
     def __init__(self, core: EngineCore, info: wire.EngineInfo, watchdog_timeout: float = 0.0):
         super().__init__()
         self.core = core
+        self._codec = wire.Codec() if os.environ.get(WIRE_CHECK_ENV) == "1" else None
         self.pid = os.getpid()
         self._cond = threading.Condition()
         self._inbox: list[tuple[bytes, wire.Down]] = []
@@ -116,12 +121,16 @@ class ThreadCore(_Commands):
         return taken
 
     def send(self, identity: bytes, msg: wire.Up) -> None:
+        if self._codec is not None:
+            msg = self._codec.decode_up(self._codec.encode(msg))
         loop = self._loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the event loop closed since the check
                 loop.call_soon_threadsafe(self._up.put_nowait, msg)
 
     def _send(self, msg: wire.Down) -> None:
+        if self._codec is not None:
+            msg = self._codec.decode_down(self._codec.encode(msg))
         with self._cond:
             self._inbox.append((b"", msg))
             self._cond.notify()

@@ -356,21 +356,17 @@ class BaseServing:
         self, request_id: str, prompts: list[Prompt], params: list[SamplingParams]
     ) -> list[RequestStream]:
         """Validate every prompt first, then queue them all: nothing is queued for a request
-        that is refused."""
-        checked = []
-        for prompt, p in zip(prompts, params, strict=True):
-            try:
-                checked.append(self.engine.validate(prompt.token_ids, p))
-            except ValueError as exc:
-                raise ServingError(str(exc)) from exc
-        streams: list[RequestStream] = []
+        that is refused (`AsyncEngine.add_requests`)."""
+        ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-{i}" for i in range(len(prompts))]
+        )
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, checked, strict=True)):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.engine.add_request(rid, prompt.token_ids, p, prompt.text))
+            streams = self.engine.add_requests(
+                ids, [p.token_ids for p in prompts], params, [p.text for p in prompts]
+            )
         except (ValueError, EngineUnavailableError, EngineDeadError) as exc:
-            for stream in streams:
-                stream.abort()
             raise engine_error(exc) from exc
         if self.log_requests:
             cut = self.max_log_len
@@ -379,7 +375,7 @@ class BaseServing:
                 request_id,
                 len(prompts),
                 [len(p.token_ids) for p in prompts],
-                checked[0],
+                params[0],
                 (prompts[0].text or "")[:cut],
                 prompts[0].token_ids[:cut],
             )
