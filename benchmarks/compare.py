@@ -150,10 +150,46 @@ def gguf_path() -> Path:
 
 
 def hf_model_dir() -> Path:
-    """The Hugging Face directory kvflow converted the GGUF into."""
+    """The embedded GGUF's model directory (config and tokenizer; kvflow reads the weights in
+    the GGUF itself)."""
     from kvflow.model.loader import resolve_model
 
     return Path(resolve_model(None))
+
+
+def vllm_model_dir(peers_dir: Path) -> Path:
+    """A safetensors checkpoint for vLLM, which does not read this GGUF: transformers'
+    dequantization of it in bf16 with the same tokenizer files, written once under the peers'
+    directory (atomically: a temp directory renamed into place)."""
+    import shutil
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kvflow.model.loader import load_transformers_model
+
+    out = peers_dir / "smollm2-bf16"
+    if (out / "config.json").is_file():
+        return out
+    peers_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-bf16-", dir=peers_dir))
+    model = load_transformers_model(hf_model_dir(), torch.float32)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
+        if (hf_model_dir() / name).is_file():
+            shutil.copy(hf_model_dir() / name, tmp / name)
+    tmp.rename(out)
+    return out
 
 
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
@@ -166,7 +202,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
     if name == "vllm":
         python = install(args.peers_dir, "vllm")
         shim = str(args.peers_dir / "vllm_shim.py")
-        argv = [str(python), shim, "serve", str(hf_model_dir()), *common]
+        argv = [str(python), shim, "serve", str(vllm_model_dir(args.peers_dir)), *common]
         env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
         env = {**KV_SPACE, **{k: os.environ.get(k, v) for k, v in env.items()}}  # caller's win
         return argv + ["--served-model-name", "model", *shlex.split(args.vllm_args)], env

@@ -4,7 +4,7 @@ changes with the batch it shares.
 
 Prompts: "What is the capital of France?" rendered with the model's chat template (the README's
 curl example) and "The capital of France is" (the Python API example). The reference is
-transformers' float32 model on the converted checkpoint kvflow loads (`resolve_model(None)`).
+transformers' float32 model of the same GGUF (`load_transformers_model`).
 Routes are kvflow's offline `LLM` with the engine arguments below; a route this CPU cannot run
 (AMX, VNNI) is named with the reason and skipped. Per route and prompt: the top-3 first tokens
 with their logprobs, the top token's margin over the second, and the first greedy tokens.
@@ -68,9 +68,9 @@ def prompts() -> dict[str, list[int]]:
 
 def reference(ids: dict[str, list[int]]) -> dict[str, tuple[torch.Tensor, list[int]]]:
     """transformers float32: (first-token logprobs, greedy tokens) per prompt."""
-    from transformers import AutoModelForCausalLM
+    from kvflow.model.loader import load_transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32)
+    model = load_transformers_model(resolve_model(None), torch.float32)
     out = {}
     with torch.inference_mode():
         for name, prompt in ids.items():

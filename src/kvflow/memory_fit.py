@@ -1,15 +1,12 @@
 """Whether a model fits the host's memory, asked before anything is loaded, and what the load
 took.
 
-A CPU engine's start-up holds the model's weights in the dtype it runs in (the whole float
-model, even where quantized weights then replace it layer by layer), the KV pool, and a fixed
-overhead: the interpreter with torch's, the tokenizer's and the kernels' libraries
-(`OVERHEAD`). The host gives it the smaller of the kernel's MemAvailable and what its memory
-cgroup (v2 or v1, as a container gets one) leaves. A model that needs more is refused at
-start-up with the sizes, so it never meets the kernel's OOM killer halfway through its load.
-A GGUF's one-time conversion to float32 safetensors (`model/gguf_convert.py`) is checked the
-same way, for what it holds (`CONVERSION_BYTES_PER_WEIGHT`). Standard library only: the
-loader and the worker both ask it.
+A CPU engine's start-up holds the model's weights as it serves them (in the dtype it runs in,
+or a GGUF's blocks as stored), the KV pool, and a fixed overhead: the interpreter with torch's,
+the tokenizer's and the kernels' libraries (`OVERHEAD`). The host gives it the smaller of the
+kernel's MemAvailable and what its memory cgroup (v2 or v1, as a container gets one) leaves. A
+model that needs more is refused at start-up with the sizes, so it never meets the kernel's OOM
+killer halfway through its load. Standard library only: the loader and the worker both ask it.
 """
 
 from __future__ import annotations
@@ -22,9 +19,6 @@ GIB = 1 << 30
 # Resident before any weight: measured 0.9 GiB for the embedded 135M model's server less its
 # weights and KV pool (benchmarks/RESULTS.md), rounded up.
 OVERHEAD = 1 * GIB
-# A GGUF's conversion holds the float32 model and the dequantized tensors it is built from:
-# measured 7.4 bytes a weight at 135M (overhead included) and 5.7 at 1.2B (RESULTS.md).
-CONVERSION_BYTES_PER_WEIGHT = 6
 _PROC = Path("/proc")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 

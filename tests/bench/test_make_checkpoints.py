@@ -104,7 +104,7 @@ def _four_tokens(model: Path) -> list[int]:
     return list(llm.generate([TEXTS[0]], params)[0].outputs[0].token_ids)
 
 
-def test_gguf_converts_and_serves(made, tmp_path, monkeypatch) -> None:
+def test_gguf_serves_in_place(made, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVFLOW_CACHE", str(tmp_path / "cache"))  # not the user's cache
     ids = _four_tokens(made["gguf-q4_0"][0])
     assert len(ids) == 4 and all(0 <= i < VOCAB for i in ids)

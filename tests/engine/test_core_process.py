@@ -124,7 +124,9 @@ def test_output_constraints_compile_in_the_engine_process(placement) -> None:
         with pytest.raises(ValueError, match=r"\(regex\) cannot be compiled") as asked:
             await client.check_constraint(bad)
         with pytest.raises(ValueError) as known:
-            client.validate(client.tokenize_prompt(PROMPT), SamplingParams(structured_outputs=bad))
+            client.add_request(
+                "bad", client.tokenize_prompt(PROMPT), SamplingParams(structured_outputs=bad)
+            )
         assert str(known.value) == str(asked.value)
         json_params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_so)
         choice_params = SamplingParams(

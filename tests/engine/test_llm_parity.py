@@ -39,10 +39,12 @@ def model_dir():
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """Greedy continuations from transformers' float32 model, N tokens each, EOS ignored."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from kvflow.model.loader import load_transformers_model
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_transformers_model(model_dir, torch.float32)
     refs = []
     with torch.inference_mode():
         for prompt in PROMPTS:
@@ -145,10 +147,12 @@ def test_runner_rows_grow_and_are_reused_through_preemption(reference):
 def test_repetition_penalty_equals_transformers(llm, model_dir):
     """Penalties read prompt and output tokens from the runner's rows: greedy tokens under a
     repetition penalty equal transformers' `generate`, beside an unpenalised request."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from kvflow.model.loader import load_transformers_model
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = load_transformers_model(model_dir, torch.float32)
     hf.generation_config.eos_token_id = None  # as ignore_eos: EOS is neither a stop nor masked
     expected = []
     with torch.inference_mode():
@@ -293,10 +297,12 @@ def test_prompt_logprobs_equal_transformers_through_chunks_preemption_and_async(
     log-softmax gives them: with a 16-token budget (positions spread over chunks), in a pool
     that preempts (recomputed positions reported once), with async scheduling, for n = 2 and
     for a repeated prompt (prefix-cache hits would skip its positions: it is not read)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from kvflow.model.loader import load_transformers_model
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_transformers_model(model_dir, torch.float32)
     prompts = PROMPTS[:4]
     want = []
     with torch.inference_mode():

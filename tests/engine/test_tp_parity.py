@@ -13,7 +13,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.model import resolve_model
-from kvflow.model.gguf_quant import GgufWeights
+from kvflow.model.gguf_weights import GgufWeights
 
 PROMPTS = [
     "The capital of France is",
@@ -87,6 +87,7 @@ def test_two_ranks_serve_one_ranks_quantized_tokens(method: str, monkeypatch) ->
     replaced = sum(r.replaced_bytes for r in runner.loaded)
     if method == "gguf":
         stored = GgufWeights(resolve_model(None))
-        assert held == sum(stored.get(name).nbytes for name in stored.kinds)
+        quantized = [stored.quantized(n) for _, n in stored.checkpoint_names(lambda n: True)]
+        assert held == sum(q.nbytes for q in quantized if q is not None)
     else:  # int8 codes for float32 weights, and a scale per row
         assert 0 < held < replaced / 3

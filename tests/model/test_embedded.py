@@ -14,7 +14,7 @@ import torch
 
 from kvflow.attention import AttentionMetadata, token_positions
 from kvflow.model import (
-    gguf_convert,
+    gguf_dir,
     load_model,
     load_tokenizer,
     loader,
@@ -49,12 +49,12 @@ def test_second_resolve_is_a_cache_hit(smollm2, monkeypatch) -> None:
     def no_reconversion(*args: object) -> None:
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(gguf_convert, "_convert_into", no_reconversion)
+    monkeypatch.setattr(gguf_dir, "_write_metadata", no_reconversion)
     assert resolve_model(None) == smollm2
-    assert gguf_convert.convert_gguf(loader.default_gguf_path()) == smollm2
+    assert gguf_dir.gguf_model_dir(loader.default_gguf_path()) == smollm2
 
 
-def test_converted_directory(smollm2) -> None:
+def test_model_directory(smollm2) -> None:
     config = json.loads((smollm2 / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["dtype"] == "bfloat16"
@@ -79,12 +79,12 @@ def test_tokenizer_and_chat_template(smollm2) -> None:
 
 
 def test_float32_logits_match_transformers(smollm2, smollm2_f32) -> None:
-    from transformers import AutoModelForCausalLM
+    from kvflow.model.loader import load_transformers_model
 
     ids = load_tokenizer(smollm2)(PROMPT).input_ids
     model, hf_config = smollm2_f32
     ours = _last_logits(model, hf_config, ids)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32, local_files_only=True)
+    hf = load_transformers_model(smollm2, torch.float32)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0, -1].float()
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
@@ -103,3 +103,26 @@ def test_auto_dtype_runs_bfloat16_on_cpu(smollm2, smollm2_f32) -> None:
     top = int(_last_logits(model, hf_config, ids).argmax())
     assert top == expected
     assert tokenizer.decode([top]).strip() == "Paris"
+
+
+def test_tokenizer_ids_are_transformers_for_the_gguf(smollm2) -> None:
+    """The tokenizer saved in the model directory gives the ids transformers' own GGUF
+    tokenizer gives for the file: unicode, whitespace runs, special tokens, code."""
+    from transformers import AutoTokenizer
+
+    gguf = loader.default_gguf_path()
+    theirs = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ours = load_tokenizer(smollm2)
+    texts = [
+        "The capital of France is",
+        "naïve café — 東京 🚀 ça va?",
+        "a  b   c\t\td\n\n\ne    ",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        "def f(x):\n    return x ** 2  # ok\n",
+        "",
+    ]
+    for text in texts:
+        assert ours(text).input_ids == theirs(text).input_ids, text
+        ids = ours(text).input_ids
+        assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.chat_template == theirs.chat_template

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ from transformers import LlamaConfig, OPTConfig, Qwen3Config
 
 from kvflow.model import (
     get_model_class,
-    gguf_convert,
+    gguf_dir,
     loader,
     model_context_len,
     resolve_dtype,
@@ -23,6 +24,7 @@ from kvflow.model import (
     resolve_model_class,
     supported_architectures,
 )
+from kvflow.model.gguf_file import GgufFile
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_cache_shape
 
 
@@ -108,10 +110,23 @@ def test_missing_default_package_explains_install(monkeypatch) -> None:
 
 
 def test_gguf_header_of_embedded_file() -> None:
+    """The header parsed here agrees with gguf's own reader: scalars, and every tensor's type,
+    shape and bytes (which `blocks` maps)."""
+    import gguf
+
     path = loader.default_gguf_path()
-    assert gguf_convert._gguf_header_value(path, "general.file_type") == 3  # Q4_1
-    assert gguf_convert._gguf_header_value(path, "llama.context_length") == 8192
-    assert gguf_convert._gguf_source_dtype(path) == "bfloat16"
+    ours, theirs = GgufFile(path), gguf.GGUFReader(path)
+    assert ours.metadata["general.file_type"] == 3  # Q4_1
+    assert ours.metadata["llama.context_length"] == 8192
+    assert ours.metadata["general.architecture"] == "llama"
+    assert "tokenizer.ggml.tokens" not in ours.metadata  # arrays are skipped
+    assert len(ours.tensors) == len(theirs.tensors)
+    for tensor in theirs.tensors:
+        info = ours.tensors[tensor.name]
+        assert (info.kind, info.shape) == (tensor.tensor_type.name, tuple(reversed(tensor.shape)))
+        assert info.nbytes == tensor.n_bytes
+    for tensor in theirs.tensors[:4]:
+        assert (ours.blocks(tensor.name) == tensor.data).all()
 
 
 def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatch) -> None:
@@ -121,11 +136,11 @@ def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatc
 
     def slow_convert(src: Path, out: Path) -> None:
         calls.append(out)
-        (out / "model.safetensors").write_bytes(b"")
+        (out / "tokenizer.json").write_text("{}")
         time.sleep(0.3)  # the others must wait for the lock, not see a partial directory
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(gguf_convert, "_convert_into", slow_convert)
+    monkeypatch.setattr(gguf_dir, "_write_metadata", slow_convert)
     cache = tmp_path / "cache"
     results: list[Path] = []
     threads = [
@@ -141,7 +156,7 @@ def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatc
     assert sorted(p.name for p in target.iterdir()) == [
         "config.json",
         "kvflow-source.json",
-        "model.safetensors",
+        "tokenizer.json",
     ]
     assert not list(cache.glob(".*tmp-*"))
     os.utime(gguf, ns=(0, 10**9))  # a changed file converts to a new directory
@@ -156,11 +171,11 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch) -> None:
         (out / "config.json").write_text("{}")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(gguf_convert, "_convert_into", failing)
+    monkeypatch.setattr(gguf_dir, "_write_metadata", failing)
     with pytest.raises(RuntimeError, match="boom"):
         resolve_model(str(gguf), str(tmp_path / "cache"))
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [
-        gguf_convert.gguf_cache_dir(gguf, str(tmp_path / "cache")).name + ".lock"
+        gguf_dir.gguf_cache_dir(gguf, str(tmp_path / "cache")).name + ".lock"
     ]
 
 
@@ -168,12 +183,12 @@ def test_stale_temp_dirs_of_killed_converters_are_removed(tmp_path, monkeypatch)
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     cache = tmp_path / "cache"
-    target = gguf_convert.gguf_cache_dir(gguf, str(cache))
+    target = gguf_dir.gguf_cache_dir(gguf, str(cache))
     stale = cache / f".{target.name}.tmp-killed"
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"partial")
     monkeypatch.setattr(
-        gguf_convert, "_convert_into", lambda src, out: (out / "config.json").write_text("{}")
+        gguf_dir, "_write_metadata", lambda src, out: (out / "config.json").write_text("{}")
     )
     assert resolve_model(str(gguf), str(cache)) == target
     assert not stale.exists()
@@ -181,10 +196,11 @@ def test_stale_temp_dirs_of_killed_converters_are_removed(tmp_path, monkeypatch)
 
 def test_conversions_no_lookup_can_reach_are_removed(tmp_path, monkeypatch) -> None:
     """A reinstall gives the GGUF a new mtime (a new key) or deletes it with its virtualenv:
-    the next conversion removes those directories (and their locks). A conversion whose GGUF
-    is still there, or one written before the source record existed, stays."""
+    the next directory written removes those directories (and their locks), and an older
+    format's (the float32 conversions of earlier versions). A directory whose GGUF is still
+    there, or one written before the source record existed, stays."""
     monkeypatch.setattr(
-        gguf_convert, "_convert_into", lambda src, out: (out / "config.json").write_text("{}")
+        gguf_dir, "_write_metadata", lambda src, out: (out / "config.json").write_text("{}")
     )
     cache = tmp_path / "cache"
     ggufs = {}
@@ -196,11 +212,16 @@ def test_conversions_no_lookup_can_reach_are_removed(tmp_path, monkeypatch) -> N
     legacy = cache / "m-000000000000"
     legacy.mkdir()
     (legacy / "config.json").write_text("{}")
+    conversion = cache / "m-111111111111"  # an older format's float32 conversion of "kept"
+    conversion.mkdir()
+    record = json.loads((dirs["kept"] / "kvflow-source.json").read_text())
+    (conversion / "kvflow-source.json").write_text(json.dumps({**record, "format": 1}))
     ggufs["deleted"].unlink()
     os.utime(ggufs["touched"], ns=(0, 10**9))
     fresh = resolve_model(str(ggufs["touched"]), str(cache))  # a new key: converts, prunes
     assert fresh not in dirs.values()
     assert dirs["kept"].is_dir() and legacy.is_dir() and fresh.is_dir()
     assert not dirs["deleted"].exists() and not dirs["touched"].exists()
+    assert not conversion.exists()
     locks = sorted(p.name for p in cache.glob("*.lock"))
     assert locks == sorted(d.name + ".lock" for d in (dirs["kept"], fresh))

@@ -1,5 +1,5 @@
-"""`--quantization`: the method chosen per model and device, the flag, the repacked GGUF file
-(cached once, named as the checkpoint, the values of the float conversion), and what a
+"""`--quantization`: the method chosen per model and device, the flag, a GGUF's weights read in
+place (named as the checkpoint, transformers' values, nothing written to the cache), and what a
 quantized model holds."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflow.model import resolve_model
-from kvflow.model.gguf_quant import QUANT_FILE, GgufWeights, quant_file
+from kvflow.model.gguf_weights import GgufWeights
 from kvflow.model.quantize import resolve_quantization
 from kvflow.server.args import add_serve_arguments, engine_args_from
 
@@ -58,24 +58,44 @@ def test_flag() -> None:
         parser.parse_args(["--quantization", "q4"])
 
 
-def test_repacked_file_is_written_once(smollm2) -> None:
-    path = quant_file(smollm2)
-    assert path == smollm2 / QUANT_FILE
-    stamp = path.stat().st_mtime_ns
-    assert quant_file(smollm2).stat().st_mtime_ns == stamp
+@pytest.fixture(scope="module")
+def transformers_floats():
+    """transformers' float32 dequantization of the embedded GGUF, the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from kvflow.embedded_model import default_gguf_path
+
+    gguf = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.state_dict()
 
 
-def test_repacked_weights_are_the_conversions_values(smollm2) -> None:
-    """Every repacked tensor dequantizes to the float conversion's tensor (transformers'
-    dequantization of the same blocks), q/k rows included (un-interleaved)."""
-    from safetensors import safe_open
+def test_a_gguf_writes_no_weights_to_the_cache(smollm2) -> None:
+    """The model directory holds the config and tokenizer: a small fraction of the GGUF."""
+    from kvflow.model.gguf_dir import source_gguf
 
+    files = list(smollm2.iterdir())
+    assert not [f for f in files if f.suffix in (".safetensors", ".sft", ".bin")]
+    assert sum(f.stat().st_size for f in files) < source_gguf(smollm2).stat().st_size / 10
+
+
+def test_repacked_weights_are_transformers_values(smollm2, transformers_floats) -> None:
+    """Every repacked tensor dequantizes to transformers' dequantization of the same blocks,
+    q/k rows included (un-interleaved); so does the float path of --quantization none."""
     weights = GgufWeights(smollm2)
-    assert set(weights.kinds.values()) == {"Q4_1", "Q8_0"}
     names = ["model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight"]
     names += ["model.layers.3.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"]
-    with safe_open(str(smollm2 / "model.safetensors"), framework="pt") as floats:
-        for name in names:
-            expected = floats.get_tensor(name)
-            got = weights.get(name).dequantize(torch.float32)
-            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    kinds = set()
+    for name in names:
+        expected = transformers_floats[name]
+        repacked = weights.quantized(name)
+        kinds.add(repacked.kind)
+        torch.testing.assert_close(
+            repacked.dequantize(torch.float32), expected, rtol=1e-6, atol=1e-7
+        )
+        floats = weights.dequantized(weights.gguf_name(name), torch.float32)
+        torch.testing.assert_close(floats, expected, rtol=0, atol=0)
+    assert kinds == {"Q4_1", "Q8_0"}
+    assert weights.quantized("model.layers.3.input_layernorm.weight") is None  # F32 in the file

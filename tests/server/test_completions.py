@@ -73,9 +73,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, clien
     prompt's tokens come first, the first without a logprob; the rest are the model's log-
     softmax at the previous position (transformers, float32, within bfloat16 rounding)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from kvflow.model.loader import resolve_model
+    from kvflow.model.loader import load_transformers_model, resolve_model
 
     prompt = CAPITAL + " Paris, and the capital of Italy is Rome"
     ids = server.post("/tokenize", {"prompt": prompt, "add_special_tokens": True}).json()["tokens"]
@@ -87,7 +86,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, clien
     assert "".join(lp.tokens) == choice.text and choice.text.startswith(prompt)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 1)]
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32)
+    model = load_transformers_model(resolve_model(None), torch.float32)
     with torch.inference_mode():
         logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
     want = [logprobs[i - 1, ids[i]].item() for i in range(1, n)]

@@ -120,21 +120,19 @@ def test_a_memory_cgroup_too_small_is_refused_naming_it():
     assert "the memory cgroup's limit 2.00 GiB" in done.stderr
 
 
-def test_a_gguf_conversion_that_cannot_fit_is_refused_before_it_starts(tmp_path: Path):
-    """A fresh cache: the embedded GGUF would convert, which needs ~0.75 GiB beside the 1 GiB
-    overhead; under a 1.5 GiB cgroup that is refused, and nothing is left in the cache."""
-    done = _in_cgroup(3 * GIB // 2, env={"KVFLOW_CACHE": str(tmp_path)})
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "Converting SmolLM2-135M-Instruct" in done.stderr
-    assert "the float32 model and its dequantized source 0.75 GiB" in done.stderr
-    assert not [p for p in tmp_path.rglob("*") if p.is_dir() and "SmolLM2" in p.name]
-
-
-def test_gguf_elements_reads_the_tensor_infos():
-    import gguf
-
-    from kvflow.model.gguf_convert import gguf_elements
-    from kvflow.model.loader import default_gguf_path
-
-    path = default_gguf_path()
-    assert gguf_elements(path) == sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
+def test_a_gguf_is_counted_as_it_is_served(tmp_path: Path):
+    """A GGUF's weights count at their stored bytes where --quantization gguf serves them as
+    stored, at the dtype's size dequantized; refused under a 1 GiB cgroup either way (the
+    fixed overhead alone is 1 GiB), before any weight is read: the fresh cache holds the
+    config and tokenizer alone."""
+    env = {"KVFLOW_CACHE": str(tmp_path)}
+    flags = ("--dtype", "float32", "--kv-cache-memory", "100M")
+    stored = _in_cgroup(GIB, *flags, "--quantization", "gguf", env=env)
+    assert stored.returncode == 2, stored.stderr[-2000:]
+    assert "weights (as stored) 0.09 GiB" in stored.stderr
+    floats = _in_cgroup(GIB, *flags, env=env)
+    assert floats.returncode == 2, floats.stderr[-2000:]
+    assert "weights (dequantized to float32) 0.50 GiB" in floats.stderr
+    assert "Served as stored (--quantization gguf) its weights take 0.09 GiB." in floats.stderr
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and sum(p.stat().st_size for p in written) < 10 * 2**20

@@ -115,12 +115,10 @@ def _hf_generate(model: Any, batch: list[list[int]], output_len: int, pad: int) 
 
 def run_transformers(args: argparse.Namespace, tokenizer: Any, prompts: list[list[int]]) -> Timed:
     """Time transformers' greedy generate on the same prompts, batched and padded left."""
-    from transformers import AutoModelForCausalLM
-
-    from kvflow.model.loader import resolve_model
+    from kvflow.model.loader import load_transformers_model, resolve_model
 
     path = str(resolve_model(args.model))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(args.dtype)).eval()
+    model = load_transformers_model(path, _torch_dtype(args.dtype))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     size = args.hf_max_batch_size or len(prompts)
     if args.warmup:

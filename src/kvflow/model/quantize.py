@@ -1,7 +1,9 @@
 """`--quantization`: which quantized weights a loaded model computes with, and putting them in.
 
-- `gguf` (a .gguf model on the CPU): the file's own blocks, repacked (`gguf_quant`), for every
-  projection and the logits head / embedding, as stored: no value is rounded again.
+- `gguf` (a .gguf model on the CPU): the file's own blocks, repacked (`gguf_weights`), for every
+  projection and the logits head / embedding, as stored: no value is rounded again. They go in
+  before the float weights load (`loader.load_weights`), so the float weights they replace are
+  never read or written: never resident.
 - `int8` (any model on the CPU): int8 codes with a float32 scale per output channel, made now.
 - `fp8` (CUDA): float8_e4m3fn codes with a float32 scale per output channel, made now.
 - `none`: the model's dtype throughout (a GGUF dequantized to it).
@@ -21,7 +23,8 @@ import torch
 from torch import nn
 
 from kvflow.model.fp8_linear import quantize_fp8
-from kvflow.model.gguf_quant import GgufWeights, source_gguf
+from kvflow.model.gguf_dir import source_gguf
+from kvflow.model.gguf_weights import GgufWeights
 from kvflow.model.layers import Embedding
 from kvflow.model.linear import Linear, _release_weight
 from kvflow.model.quant_format import QuantizedWeight, quantize_int8
@@ -104,7 +107,7 @@ def _stored_weight(
     leaf = name.rsplit(".", 1)[-1]
     prefix = name[: len(name) - len(leaf)]
     shards = packed.get(leaf, [leaf]) if isinstance(module, Linear) else [leaf]
-    parts = [stored.get(f"{prefix}{shard}.weight") for shard in shards]
+    parts = [stored.quantized(f"{prefix}{shard}.weight") for shard in shards]
     if any(p is None for p in parts):
         return None
     parts = [module.quant_part(part, shard_id) for shard_id, part in enumerate(parts)]

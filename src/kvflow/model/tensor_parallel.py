@@ -35,7 +35,6 @@ from kvflow.model.parallel_layers import (
     head_partition,
     qkv_parallel,
 )
-from kvflow.model.quantize import quantize_model
 from kvflow.model.registry import resolve_model_class
 
 
@@ -109,10 +108,9 @@ def load_shard(
             for name, child in parent.named_children():
                 if isinstance(child, RotaryEmbedding):
                     setattr(parent, name, RotaryEmbedding(hf_config, head_dim_of(hf_config)))
-    load_weights(model, Path(path))
     model.eval()
     model.requires_grad_(False)
-    quantized = quantize_model(model, quantization, Path(path))
+    quantized = load_weights(model, Path(path), quantization)
     return TensorParallelLM(model, hf_config.vocab_size, group), hf_config, quantized
 
 

@@ -18,16 +18,20 @@ from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_ma
 from kvflow.kernels.cpu.build import native_available
 from kvflow.kernels.cpu.host_memory import keep_freed_memory
 from kvflow.memory_fit import check_fits, checkpoint_elements, peak_resident
+from kvflow.model.gguf_dir import source_gguf
+from kvflow.model.gguf_file import GgufFile
+from kvflow.model.gguf_weights import FLOAT_KINDS
 from kvflow.model.linear import prepack_for_cpu
 from kvflow.model.loader import (
+    build_model,
     load_config,
-    load_model,
     load_tokenizer,
+    load_weights,
     model_context_len,
     resolve_dtype,
     resolve_model,
 )
-from kvflow.model.quantize import describe, quantize_model, resolve_quantization
+from kvflow.model.quantize import describe, resolve_quantization
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer_files import load_chat_template
 from kvflow.worker.cpu_replay import CpuDecodeReplay
@@ -190,9 +194,9 @@ def attention_backend(device: str) -> AttentionBackend:
 
 
 def load_quantized(path: Path, dtype: torch.dtype, device: str, backend, quantization: str):
-    """`load_model` with `quantization`'s weights put in; logs the choice and the bytes."""
-    model, hf_config = load_model(path, dtype, device, attn_backend=backend)
-    new, old = quantize_model(model, quantization, path)
+    """`load_model` with `quantization`'s weights; logs the choice and the bytes."""
+    model, hf_config = build_model(path, dtype, device, attn_backend=backend)
+    new, old = load_weights(model, path, quantization)
     logger.info("%s", describe(quantization, new, old, dtype))
     return model, hf_config
 
@@ -279,20 +283,34 @@ def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str
     if model is None:
         if device == "cpu":
             kv = num_blocks * kv_bytes_per_block(hf_config, args.block_size, dtype)
-            _check_host_memory(path, dtype, kv)
+            _check_host_memory(path, dtype, kv, quantization)
         model, hf_config = load_quantized(path, dtype, device, backend, quantization)
     return model, hf_config, cache, max_model_len
 
 
-def _check_host_memory(path: Path, dtype: torch.dtype, kv_bytes: int) -> None:
-    """Refuse, before the load, a model whose weights and KV pool the host cannot hold."""
-    weights = checkpoint_elements(path) * torch.empty((), dtype=dtype).element_size()
+def _check_host_memory(path: Path, dtype: torch.dtype, kv_bytes: int, quantization: str) -> None:
+    """Refuse, before the load, a model whose weights and KV pool the host cannot hold: a
+    GGUF's blocks count as stored where `--quantization gguf` serves them so, every other
+    weight at the dtype's size (int8 is made from the loaded floats)."""
+    size = torch.empty((), dtype=dtype).element_size()
     name = str(dtype).removeprefix("torch.")
-    check_fits(
-        f"Serving {path.name} in {name}",
-        {f"weights in {name}": weights, "KV cache": kv_bytes},
-        "Lower --kv-cache-memory or --num-blocks, or serve a smaller model.",
-    )
+    gguf = source_gguf(path)
+    hint = "Lower --kv-cache-memory or --num-blocks, or serve a smaller model."
+    if gguf is None:
+        weights = {f"weights in {name}": checkpoint_elements(path) * size}
+    else:
+        tensors = GgufFile(gguf).tensors.values()
+        stored = quantization == "gguf"
+        weights = {
+            f"weights ({'as stored' if stored else f'dequantized to {name}'})": sum(
+                t.nbytes if stored and t.kind not in FLOAT_KINDS else t.numel * size
+                for t in tensors
+            )
+        }
+        if not stored:
+            blocks = sum(t.nbytes for t in tensors) / GIB
+            hint += f" Served as stored (--quantization gguf) its weights take {blocks:.2f} GiB."
+    check_fits(f"Serving {path.name} in {name}", {**weights, "KV cache": kv_bytes}, hint)
 
 
 def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: int, eos):

@@ -16,7 +16,6 @@ import logging
 import torch
 
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
-from kvflow.model.gguf_quant import quant_file
 from kvflow.model.loader import load_config, load_tokenizer, resolve_dtype, resolve_model
 from kvflow.model.quantize import describe, resolve_quantization
 from kvflow.model.tensor_parallel import check_divisible
@@ -84,8 +83,6 @@ def build_tp_parts(args, device: str) -> EngineParts:
     check_divisible(hf_config, world)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     quantization = resolve_quantization(args.quantization, path, device, dtype)
-    if quantization == "gguf":
-        quant_file(path)  # repacked here, once, before the ranks read their parts of it
     batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
     eos = tokenizer.eos_token_id
     spec = rank_spec(args, path, device, dtype, batched, eos, quantization)
