@@ -38,3 +38,19 @@ def test_more_ranks_than_query_heads_is_refused_with_the_numbers() -> None:
         check_divisible(smol, world)
     with pytest.raises(ValueError, match="tensor_parallel_size 10 is too large for 9"):
         check_divisible(smol, 10)
+
+
+def test_async_scheduling_under_tensor_parallelism_is_refused_by_name() -> None:
+    """`kvflow serve -tp 2 --async-scheduling`: every rank runs each step eagerly, so the flag
+    cannot be honoured; the command exits 2 naming both flags, before any rank starts."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--port", "0", "--dtype", "float32"]
+    cmd += ["--tensor-parallel-size", "2", "--async-scheduling"]
+    env = {**os.environ, "KVFLOW_ENGINE_PROCESS": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--async-scheduling is not available with --tensor-parallel-size" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("kvflow serve: error: --async")
