@@ -8,8 +8,8 @@ padded copy before attending (see benchmarks/RESULTS.md). Two kernels read each 
 `bf16_linear` (linear layers up to the rows where oneDNN catches up) and `paged_attention`
 (every step: prompts, chunks and decode tokens, K/V read where they lie in the paged cache).
 
-The library is built with `-march=native` for the CPU it runs on, so the cache key holds the
-source, the compiler command and the CPU's identity; builds are atomic (compile to a temporary
+The library is built with `-march=native` for the CPU it runs on (or `$KVFLOW_NATIVE_MARCH`), so
+the cache key holds the source, the compiler command and the CPU's identity; builds are atomic (compile to a temporary
 name, rename), so concurrent processes never load a half-written file. Without a compiler, or
 with KVFLOW_NATIVE=0, `native_available()` is False and callers keep torch's paths.
 """
@@ -32,7 +32,11 @@ from kvflow.paths import cache_root, scratch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# The CPU it runs on, or the one $KVFLOW_NATIVE_MARCH names (x86-64-v3: AVX2 + FMA, what most
+# CPUs without AVX-512 have; tests/model/test_native_march.py builds it so on any host). Every
+# wider path is compiled in only where the target has it (#ifdef), so any target builds.
+MARCH = os.environ.get("KVFLOW_NATIVE_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     # GCC otherwise splits 512-bit vector code in 256-bit halves: decode steps ran 1.8x slower
     FLAGS.append("-mprefer-vector-width=512")
