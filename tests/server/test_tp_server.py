@@ -1,8 +1,9 @@
-"""The server at --tensor-parallel-size 2 (two rank processes over gloo): the official openai
-client, streaming, /metrics and the error answers, structured outputs and tool_choice
-required / named, KV-cache events on a ZeroMQ subscriber and the estimated per-GPU counters,
-on one module-scoped server whose greedy answers and FLOPs are checked against the offline
-engine at one rank."""
+"""The server at --tensor-parallel-size 2 (two ranks over gloo, as processes and as Ray actors):
+the official openai client, streaming, /metrics and the error answers, structured outputs and
+tool_choice required / named, KV-cache events on a ZeroMQ subscriber and the estimated per-GPU
+counters, on a module-scoped server per backend whose greedy answers and FLOPs are checked
+against the offline engine at one rank; and quantized (int8, gguf) at two ranks through
+`kvflow serve`, against the offline engine at one rank with the same quantization."""
 
 from __future__ import annotations
 
@@ -41,15 +42,18 @@ WEATHER = {
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 
 
-@pytest.fixture(scope="module")
-def tp_server():
-    """The server, publishing KV-cache events on `srv.kv_events_port` (topic "kv")."""
+@pytest.fixture(scope="module", params=["mp", "ray"])
+def tp_server(request):
+    """The server, its ranks as processes (mp) or as actors of a private local Ray cluster,
+    publishing KV-cache events on `srv.kv_events_port` (topic "kv"): every test runs on both."""
     port = free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
     events["endpoint"] = f"tcp://*:{port}"
+    flags = ["--tensor-parallel-size", "2", "--kv-events-config", json.dumps(events)]
+    flags += ["--distributed-executor-backend", request.param]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")  # per rank (the server itself only schedules)
-        srv = start_server("--tensor-parallel-size", "2", "--kv-events-config", json.dumps(events))
+        srv = start_server(*flags)
     srv.kv_events_port = port
     yield srv
     srv.stop()
@@ -217,3 +221,38 @@ def test_estimated_flops_are_the_per_gpu_share(tp_server: ServerProcess, one_ran
     )
     wait_for(lambda: flops() - before >= one_rank_flops / 2, 5.0)
     assert one_rank_flops > 0 and flops() - before == one_rank_flops / 2
+
+
+@pytest.mark.parametrize("method", ["int8", "gguf"])
+def test_quantized_ranks_serve_one_ranks_tokens(method: str) -> None:
+    """`kvflow serve -tp 2 --quantization METHOD` answers with the greedy tokens the offline
+    engine gives at one rank with the same quantization (each rank holds its part of the same
+    values)."""
+    from kvflow import LLM, SamplingParams
+
+    geometry = dict(zip(GEOMETRY[::2], GEOMETRY[1::2], strict=True))
+    one = LLM(
+        dtype=geometry["--dtype"],
+        num_blocks=int(geometry["--num-blocks"]),
+        block_size=int(geometry["--block-size"]),
+        max_model_len=MAX_MODEL_LEN,
+        quantization=method,
+    )
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = one.generate([PROMPT], params)[0].outputs[0].text
+    del one
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        srv = start_server("--tensor-parallel-size", "2", "--quantization", method)
+    try:
+        out = srv.client().completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert out.choices[0].text == expected
+        assert f"quantization: {method}" in srv.log()
+    finally:
+        srv.stop()
