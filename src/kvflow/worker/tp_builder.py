@@ -1,7 +1,7 @@
 """The tensor-parallel engine builder: the model on `tensor_parallel_size` ranks, returned as
 EngineParts for the one assembly (`engine/assembly.py`). This process resolves the model (a
-GGUF is converted, and for `--quantization gguf` repacked, here, once, before any rank starts),
-the tokenizer and the geometry; the ranks load their shards, with their parts of the quantized
+GGUF's directory is written here, once, before any rank starts; each rank reads the file in
+place), the tokenizer and the geometry; the ranks load their shards, with their parts of the quantized
 weights, and size their KV caches (see tp_worker.py); the executor (`mp`:
 worker/executor.py, `ray`: worker/ray_executor.py) is the EngineCore's runner.
 
