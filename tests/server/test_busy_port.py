@@ -1,5 +1,5 @@
 """A port that another socket listens on ends `kvflow serve` at once: a non-zero exit and one
-line naming host:port, before any model is loaded (its conversion cache stays empty) and
+line naming host:port, before any model is loaded (its cache stays empty) and
 before "serving at" is printed."""
 
 from __future__ import annotations
@@ -46,5 +46,5 @@ def test_a_busy_port_fails_before_the_model_loads(listener, tmp_path: Path, case
         f"kvflow serve: error: cannot listen on 127.0.0.1:{listener}: Address already in use "
         "(another server is there: choose another --port)"
     )
-    assert not (tmp_path / "cache").exists()  # the embedded model was never converted
+    assert not (tmp_path / "cache").exists()  # the embedded model was never resolved
     print(f"  {case}: exit 1 after {took:.2f} s")

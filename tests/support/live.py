@@ -1,8 +1,8 @@
 """Real `kvflow serve` processes for the liveness tests: spawn one on 127.0.0.1 with any flags
 and environment, read its log, metrics, CPU time and children from /proc, signal it.
 
-The converted model in ~/.cache/kvflow (or $KVFLOW_CACHE) is shared by every start, so a start
-costs the imports and the model load (~5-8 s on 2 cores), not a conversion.
+The embedded model's directory in ~/.cache/kvflow (or $KVFLOW_CACHE) is shared by every start,
+so a start costs the imports and the model load (~5-8 s on 2 cores).
 """
 
 from __future__ import annotations
