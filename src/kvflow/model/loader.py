@@ -9,7 +9,9 @@ None for the embedded default (SmolLM2-135M-Instruct, shipped as a GGUF inside t
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +163,8 @@ def load_weights(model: nn.Module, path: Path, quantization: str = "none") -> tu
         return param_name, shard_id
 
     with torch.no_grad():
-        for name, read in _checkpoint_tensors(path, target):
+        dtype_of = lambda name: params[target(name)[0]].dtype  # noqa: E731
+        for name, read in _checkpoint_tensors(path, target, dtype_of):
             where = target(name)
             if where is None:
                 continue
@@ -177,9 +180,14 @@ def load_weights(model: nn.Module, path: Path, quantization: str = "none") -> tu
     return quantized
 
 
-def _checkpoint_tensors(path: Path, target: Callable) -> Iterator[tuple[str, Any]]:
+def _checkpoint_tensors(
+    path: Path, target: Callable, dtype_of: Callable
+) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, read(dtype) -> the tensor) for each tensor of `path`'s checkpoint (of
-    a GGUF, each under the name `target` resolves: the file's names fit several models')."""
+    a GGUF, each under the name `target` resolves: the file's names fit several models'). A
+    GGUF's tensors are dequantized (to `dtype_of(name)`) one ahead on a second thread while the
+    one before loads: gguf's numpy dequantizers release the GIL, and a start takes about half
+    the time on two cores; at most two tensors are in flight."""
     from safetensors import safe_open
 
     if source_gguf(path) is not None:
@@ -193,8 +201,15 @@ def _checkpoint_tensors(path: Path, target: Callable) -> Iterator[tuple[str, Any
             except ValueError:  # another architecture's name for the tensor
                 return False
 
-        for tensor, name in weights.checkpoint_names(takes):
-            yield name, lambda dtype, tensor=tensor: weights.dequantized(tensor, dtype)
+        with ThreadPoolExecutor(2, thread_name_prefix="kvflow-dequantize") as pool:
+            ahead: deque[tuple[str, Future]] = deque()
+            for tensor, name in weights.checkpoint_names(takes):
+                ahead.append((name, pool.submit(weights.dequantized, tensor, dtype_of(name))))
+                if len(ahead) == 2:
+                    done, future = ahead.popleft()
+                    yield done, lambda dtype, future=future: future.result()
+            for done, future in ahead:
+                yield done, lambda dtype, future=future: future.result()
         return
     files = sorted(path.glob("*.safetensors"))
     if not files:
