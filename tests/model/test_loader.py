@@ -129,7 +129,9 @@ def test_gguf_header_of_embedded_file() -> None:
         assert (ours.blocks(tensor.name) == tensor.data).all()
 
 
-def test_concurrent_starts_write_a_gguf_directory_once_and_atomically(tmp_path, monkeypatch) -> None:
+def test_concurrent_starts_write_a_gguf_directory_once_and_atomically(
+    tmp_path, monkeypatch
+) -> None:
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     calls: list[Path] = []

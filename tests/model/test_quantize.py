@@ -20,8 +20,21 @@ def smollm2():
     return resolve_model(None)
 
 
-def test_default_is_gguf_for_a_gguf_on_the_cpu_in_bf16(smollm2, tmp_path) -> None:
-    assert resolve_quantization(None, smollm2, "cpu") == "none"  # opt-in: --quantization gguf
+def test_default_is_gguf_for_a_gguf_on_the_cpu_but_the_embedded_one(smollm2, tmp_path) -> None:
+    import json
+
+    from kvflow.model.gguf_dir import _SOURCE
+
+    other = tmp_path / "other"  # another GGUF's directory: served as stored on the CPU
+    other.mkdir()
+    gguf = tmp_path / "llama-3.2-1b-q4_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    (other / _SOURCE).write_text(json.dumps({"gguf": str(gguf), "stamp": "", "format": 2}))
+    assert resolve_quantization(None, other, "cpu") == "gguf"
+    assert resolve_quantization(None, other, "cpu", torch.float32) == "gguf"
+    assert resolve_quantization(None, other, "cuda") == "none"
+    assert resolve_quantization("none", other, "cpu") == "none"  # dequantized when asked
+    assert resolve_quantization(None, smollm2, "cpu") == "none"  # the embedded: measured
     assert resolve_quantization(None, smollm2, "cpu", torch.float32) == "none"  # the reference
     assert resolve_quantization("gguf", smollm2, "cpu", torch.float32) == "gguf"
     assert resolve_quantization(None, smollm2, "cuda") == "none"

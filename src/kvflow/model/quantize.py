@@ -8,7 +8,8 @@
 - `fp8` (CUDA): float8_e4m3fn codes with a float32 scale per output channel, made now.
 - `none`: the model's dtype throughout (a GGUF dequantized to it).
 
-The default (None) is `none` for every model: see README, "Quantized weights", for why.
+The default (None) is `gguf` for a `.gguf` on the CPU and `none` for the embedded model and
+every other: see README, "Quantized weights", for why.
 Each quantized layer lets its float weight go (a placeholder keeps the shape), so the
 resident weights are the quantized bytes plus the norms. A tensor-parallel rank's layers hold
 their parts of the values one device holds (`parallel_layers`).
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvflow.embedded_model import DEFAULT_GGUF
 from kvflow.model.fp8_linear import quantize_fp8
 from kvflow.model.gguf_dir import source_gguf
 from kvflow.model.gguf_weights import GgufWeights
@@ -39,13 +41,16 @@ def resolve_quantization(
     requested: str | None, path: Path, device: str, dtype: torch.dtype = torch.bfloat16
 ) -> str:
     """The method to load `path` with on `device` in `dtype`: `requested`, checked, or the
-    default, `none` for every model (the quantized paths stay opt-in until one is the measured
-    default; README, "Quantized weights"). ValueError naming the flag when the combination
-    cannot run."""
+    default: a `.gguf` on the CPU is served as stored (`gguf`: its dequantized copy is 3-8x the
+    file, the size a user picked the file to avoid), except the embedded model, whose measured
+    default is `none` (README, "Quantized weights"); every other model `none`. ValueError
+    naming the flag when the combination cannot run."""
     on_cuda = str(device).startswith("cuda")
-    is_gguf = source_gguf(path) is not None
+    source = source_gguf(path)
+    is_gguf = source is not None
     if requested is None:
-        return "none"
+        embedded = is_gguf and source.name == Path(DEFAULT_GGUF).name
+        return "gguf" if is_gguf and not embedded and not on_cuda else "none"
     if requested not in METHODS:
         raise ValueError(f"Unknown quantization {requested!r}; choose one of {', '.join(METHODS)}.")
     if requested == "gguf" and not is_gguf:
