@@ -12,12 +12,15 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from kvflow.paths import cache_root, locked, scratch
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: metadata only, the weights read in place (1: a float32 conversion)
 _SOURCE = "kvflow-source.json"  # which GGUF (path, size and mtime) a directory is made from
@@ -52,6 +55,7 @@ def gguf_model_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed writer's
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        logger.info("writing %s's config and tokenizer into %s (once)", gguf_path.name, target)
         with scratch(tmp):
             tmp.chmod(0o755)
             _write_metadata(gguf_path, tmp)
