@@ -276,8 +276,9 @@ def _start_engine(args: argparse.Namespace) -> LLMEngine:
         client: Any = ProcessCore(process, identity, owns_process=False)
     elif core_launch.engine_process_enabled(args.device):
         # The engine process resolves the model (a GGUF's directory is written there, and a
-        # start-up signal forwarded to it removes a half-written one); this one, which loads neither torch nor
-        # xgrammar (README, "Processes"), takes the tokenizer the engine names once it is ready.
+        # start-up signal forwarded to it removes a half-written one); this one, which loads
+        # neither torch nor xgrammar (README, "Processes"), takes the tokenizer the engine names
+        # once it is ready.
         process, _ = core_launch.launch_engine(
             engine_args_from(args), args.watchdog_timeout, tokenizer_files.import_tokenizers
         )

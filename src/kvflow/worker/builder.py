@@ -297,20 +297,21 @@ def _check_host_memory(path: Path, dtype: torch.dtype, kv_bytes: int, quantizati
     gguf = source_gguf(path)
     hint = "Lower --kv-cache-memory or --num-blocks, or serve a smaller model."
     if gguf is None:
-        weights = {f"weights in {name}": checkpoint_elements(path) * size}
+        label, weights = f"weights in {name}", checkpoint_elements(path) * size
     else:
         tensors = GgufFile(gguf).tensors.values()
-        stored = quantization == "gguf"
-        weights = {
-            f"weights ({'as stored' if stored else f'dequantized to {name}'})": sum(
-                t.nbytes if stored and t.kind not in FLOAT_KINDS else t.numel * size
-                for t in tensors
+        stored = sum(t.numel * size if t.kind in FLOAT_KINDS else t.nbytes for t in tensors)
+        if quantization == "gguf":
+            label, weights = "weights (as stored)", stored
+        else:
+            label, weights = (
+                f"weights (dequantized to {name})",
+                sum(t.numel for t in tensors) * size,
             )
-        }
-        if not stored:
-            blocks = sum(t.nbytes for t in tensors) / GIB
-            hint += f" Served as stored (--quantization gguf) its weights take {blocks:.2f} GiB."
-    check_fits(f"Serving {path.name} in {name}", {**weights, "KV cache": kv_bytes}, hint)
+            hint += (
+                f" Served as stored (--quantization gguf) its weights take {stored / GIB:.2f} GiB."
+            )
+    check_fits(f"Serving {path.name} in {name}", {label: weights, "KV cache": kv_bytes}, hint)
 
 
 def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: int, eos):
