@@ -33,6 +33,7 @@ _SCALARS = {
     12: "d",
 }
 _STRING, _ARRAY = 8, 9
+FLOAT_KINDS = ("F32", "F16", "BF16")  # the GGML types that hold plain floats
 _DEQUANTIZE_ROWS = 4096  # rows dequantized at once: the float32 scratch stays small
 
 
@@ -43,6 +44,10 @@ class GgufTensor:
     shape: tuple[int, ...]  # torch order: rows first, the stored innermost dimension last
     offset: int  # absolute, in the file
     nbytes: int
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind in FLOAT_KINDS
 
     @property
     def numel(self) -> int:

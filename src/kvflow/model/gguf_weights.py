@@ -21,8 +21,6 @@ from kvflow.model.gguf_dir import source_gguf
 from kvflow.model.gguf_file import GgufFile
 from kvflow.model.quant_format import GGUF_TYPES, QuantizedWeight, from_gguf_blocks
 
-FLOAT_KINDS = ("F32", "F16", "BF16")
-
 
 class GgufWeights:
     """The tensors of the GGUF behind `model_dir` (a `gguf_dir` directory)."""
@@ -71,7 +69,7 @@ class GgufWeights:
         if tensor is None:
             return None
         info = self.file.tensors[tensor]
-        if info.kind in FLOAT_KINDS:
+        if info.is_float:
             return None
         if info.kind not in GGUF_TYPES:
             raise ValueError(

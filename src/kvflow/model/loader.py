@@ -168,7 +168,7 @@ def load_weights(model: nn.Module, path: Path, quantization: str = "none") -> tu
             where = target(name)
             if where is None:
                 continue
-            param, loaded = params[where[0]], read(params[where[0]].dtype)
+            param, loaded = params[where[0]], read()
             # a sharded (tensor-parallel) loader returns how many elements it copied
             copied = param.weight_loader(param, loaded, where[1])
             filled[where[0]] += loaded.numel() if copied is None else copied
@@ -183,7 +183,7 @@ def load_weights(model: nn.Module, path: Path, quantization: str = "none") -> tu
 def _checkpoint_tensors(
     path: Path, target: Callable, dtype_of: Callable
 ) -> Iterator[tuple[str, Any]]:
-    """(checkpoint name, read(dtype) -> the tensor) for each tensor of `path`'s checkpoint (of
+    """(checkpoint name, read() -> the tensor) for each tensor of `path`'s checkpoint (of
     a GGUF, each under the name `target` resolves: the file's names fit several models'). A
     GGUF's tensors are dequantized (to `dtype_of(name)`) one ahead on a second thread while the
     one before loads: gguf's numpy dequantizers release the GIL, and a start takes about half
@@ -207,9 +207,9 @@ def _checkpoint_tensors(
                 ahead.append((name, pool.submit(weights.dequantized, tensor, dtype_of(name))))
                 if len(ahead) == 2:
                     done, future = ahead.popleft()
-                    yield done, lambda dtype, future=future: future.result()
+                    yield done, future.result
             for done, future in ahead:
-                yield done, lambda dtype, future=future: future.result()
+                yield done, future.result
         return
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -219,7 +219,7 @@ def _checkpoint_tensors(
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as tensors:
             for name in tensors.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                yield name, lambda dtype, name=name, tensors=tensors: tensors.get_tensor(name)
+                yield name, lambda name=name, tensors=tensors: tensors.get_tensor(name)
 
 
 def _unpack(name: str, packed: dict[str, list[str]]) -> tuple[str, int | None]:

@@ -20,7 +20,6 @@ from kvflow.kernels.cpu.host_memory import keep_freed_memory
 from kvflow.memory_fit import check_fits, checkpoint_elements, peak_resident
 from kvflow.model.gguf_dir import source_gguf
 from kvflow.model.gguf_file import GgufFile
-from kvflow.model.gguf_weights import FLOAT_KINDS
 from kvflow.model.linear import prepack_for_cpu
 from kvflow.model.loader import (
     build_model,
@@ -300,7 +299,7 @@ def _check_host_memory(path: Path, dtype: torch.dtype, kv_bytes: int, quantizati
         label, weights = f"weights in {name}", checkpoint_elements(path) * size
     else:
         tensors = GgufFile(gguf).tensors.values()
-        stored = sum(t.numel * size if t.kind in FLOAT_KINDS else t.nbytes for t in tensors)
+        stored = sum(t.numel * size if t.is_float else t.nbytes for t in tensors)
         if quantization == "gguf":
             label, weights = "weights (as stored)", stored
         else:
