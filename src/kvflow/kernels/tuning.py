@@ -10,12 +10,15 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kvflow.kernels.cpu.build import native_available
 from kvflow.kernels.cpu.linear import bf16_linear, pack_linear_weight
 from kvflow.kernels.cpu.onednn import onednn_linear, pack_weight
 
 logger = logging.getLogger("kvflow.engine")
+
+EVERY_ROW = 1 << 30  # native_linear_max_rows where oneDNN has no packing to hand over to
 
 
 @functools.cache
@@ -29,7 +32,7 @@ def native_linear_max_rows() -> int:
     weight = torch.randn(1536, 576, dtype=torch.bfloat16)
     native, packed = pack_linear_weight(weight), pack_weight(weight)
     if native is None or packed is None:
-        return 0 if native is None else 1 << 30
+        return 0 if native is None else EVERY_ROW
 
     def best_of_3(fn: Callable[..., torch.Tensor], *args) -> float:
         times = []
@@ -48,6 +51,31 @@ def native_linear_max_rows() -> int:
             break
         rows *= 2
     return rows
+
+
+@functools.cache
+def bf16_matmul_pays() -> bool:
+    """Whether torch's bf16 matmul beats widening to float32 and multiplying there, for a batch
+    of 256 rows on a [1536, 576] weight (best of 3 each, measured once per process). Without
+    AVX512-BF16 or AMX it does not: on 2 Zen cores with AVX2 alone the bf16 matmul took 6x the
+    float32 one (RESULTS.md, 2026-12-07), so a long prompt's dequantized weight is made in
+    float32 there."""
+    weight = torch.randn(1536, 576, dtype=torch.bfloat16)
+    x = torch.randn(256, 576, dtype=torch.bfloat16)
+
+    def best_of_3(fn: Callable[[], torch.Tensor]) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    bf16 = best_of_3(lambda: F.linear(x, weight))
+    wide = best_of_3(lambda: F.linear(x.float(), weight.float()).to(torch.bfloat16))
+    logger.info("bf16 matmul %.2f ms, through float32 %.2f ms (256 rows)", 1e3 * bf16, 1e3 * wide)
+    return bf16 <= wide
 
 
 def norm_fusion_pays() -> bool:

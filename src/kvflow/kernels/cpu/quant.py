@@ -7,8 +7,9 @@ both float32 or both float16; w[n, k] = scales[n, k / group] * code[n, k] + mins
 
 - `linear`: codes widened to float32 in registers (bf16 or float32 activations, exact weights).
 - `linear_int8`: the activations quantized to int8 per 32 columns (bf16), the products on
-  AMX-INT8 tiles (only where `amx_available()` and `amx_takes(group)`) or AVX512-VNNI dot
-  products (a few rows; only where `vnni_available()` and `vnni_takes(bits, group)`).
+  AMX-INT8 tiles (only where `amx_available()` and `amx_takes(group)`) or int8 dot products,
+  "vnni" (a few rows; AVX512-VNNI's, or AVX2's where the CPU has no AVX-512; only where
+  `vnni_available()` and `vnni_takes(bits, group)`).
 - `gemm_bf16`: AMX-BF16 tiles on the weight dequantized to bf16 inside the kernel, 32 rows at a
   time (batches; only where `amx_available()`), optionally with silu(gate) * up in its epilogue.
 - `dequantize`: the weight as bf16 or float32, for a large batch's matmul.
@@ -60,7 +61,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_q_amx_init.restype = num
     lib.amx = bool(lib.kvflow_q_amx_init())
     lib.kvflow_q_vnni_built.restype = num
-    lib.vnni = bool(lib.kvflow_q_vnni_built())
+    built = lib.kvflow_q_vnni_built()  # 1: AVX512-VNNI's, 2: AVX2's
+    lib.vnni, lib.vnni_avx2 = built > 0, built == 2
     return lib
 
 
@@ -81,9 +83,16 @@ def amx_takes(group: int) -> bool:
 
 
 def vnni_available() -> bool:
-    """Whether `linear_int8` may run on "vnni" here (the library was built with AVX512-VNNI)."""
+    """Whether `linear_int8` may run on "vnni" here (the library was built with AVX512-VNNI, or
+    with AVX2 and no AVX-512)."""
     lib = library()
     return lib is not None and lib.vnni
+
+
+def vnni_is_avx2() -> bool:
+    """Whether "vnni" is AVX2's kernel (a CPU without AVX-512), which wins fewer rows."""
+    lib = library()
+    return lib is not None and lib.vnni_avx2
 
 
 def vnni_takes(bits: int, group: int) -> bool:
@@ -140,8 +149,8 @@ def linear_int8(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) -> [M, N], all bf16, x quantized to int8 with a scale per row and
-    32 columns, the products on `kernel`: "amx" (AMX-INT8 tiles) or "vnni" (AVX512-VNNI dot
-    products, for a few rows); the same quantization, so the same error bound. `mins` None when
+    32 columns, the products on `kernel`: "amx" (AMX-INT8 tiles) or "vnni" (int8 dot products,
+    AVX512-VNNI's or AVX2's, for a few rows); the same quantization, so the same error bound. `mins` None when
     every min is zero (it skips their pass)."""
     lib = library()
     assert lib is not None and x.dtype == torch.bfloat16

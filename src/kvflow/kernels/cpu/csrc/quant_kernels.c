@@ -4,8 +4,9 @@
  *                        (kvflow_q_linear_f32: float32 x and y); codes widened in registers
  *   kvflow_q_linear_amx  the same on AMX-INT8 tiles, activations quantized to int8 per 32
  *                        columns (below; returns 0 where the CPU or OS has no AMX)
- *   kvflow_q_linear_vnni the same quantization on AVX512-VNNI dot products: a few rows
- *                        (kvflow_q_vnni_built says whether it was built)
+ *   kvflow_q_linear_vnni the same quantization on int8 dot products, AVX512-VNNI's or (no
+ *                        AVX-512) AVX2's: a few rows (kvflow_q_vnni_built says whether it
+ *                        was built)
  *   kvflow_q_gemm_amx    the same on AMX-BF16 tiles, the weight dequantized to bf16 32 rows at
  *                        a time inside the kernel (batches); optionally silu(gate) * up
  *   kvflow_q_dequant     w[N, K] -> bf16 (long prompts: the bf16 matmul runs on it)
@@ -138,6 +139,70 @@ static inline __attribute__((always_inline)) void codes32(const uint8_t *row, in
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* AVX2 alone: the tile below in 256-bit registers. GCC's 512-bit vectors there kept the
+ * accumulators on the stack and widened codes one lane at a time (a Q8_0 [3072, 576] weight at
+ * one row on 2 Zen cores: 1,246 us, bf16 116 us). Columns c .. c + 31 as four runs of 8: the
+ * codes of run j widen with one instruction each (4-bit: low nibbles are runs 0-1, high nibbles
+ * runs 2-3), and two accumulators per output take alternate runs. */
+static inline __attribute__((always_inline)) void codes8x4(const uint8_t *row, int bits, int c,
+                                                           __m256 w[4]) {
+    __m128i b[4];
+    if (bits == 4) {
+        __m128i packed = _mm_loadu_si128((const __m128i *)(row + c / 2));
+        __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(15));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+        b[0] = lo, b[1] = _mm_srli_si128(lo, 8), b[2] = hi, b[3] = _mm_srli_si128(hi, 8);
+        for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b[j]));
+    } else {
+        for (int j = 0; j < 4; j++) {
+            b[j] = _mm_loadl_epi64((const __m128i *)(row + c + 8 * j));
+            w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b[j]));
+        }
+    }
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+static inline __attribute__((always_inline)) void tile_dot(const uint8_t *row, long row_bytes,
+                                                           int bits, const float *sc,
+                                                           const float *mn, int groups,
+                                                           int group, const float *x, long ldx,
+                                                           int k, int nr, int mb, float *out) {
+    __m256 acc[4][MAX_ROWS][2];
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mb; m++) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+    /* the groups of columns c.. and c + 16.., counted along in halves of 16 (no division) */
+    int halves = group / 16, left = halves, g0 = 0, g1 = 0;
+    for (int c = 0; c < k; c += 32) {
+        if (--left == 0) g1++, left = halves; /* the half at c + 16 */
+        for (int r = 0; r < nr; r++) {
+            __m256 w[4];
+            codes8x4(row + r * row_bytes, bits, c, w);
+            const float *s = sc + r * groups, *o = mn + r * groups;
+            __m256 s0 = _mm256_set1_ps(s[g0]), o0 = _mm256_set1_ps(o[g0]);
+            __m256 s1 = _mm256_set1_ps(s[g1]), o1 = _mm256_set1_ps(o[g1]);
+            w[0] = _mm256_fmadd_ps(w[0], s0, o0), w[1] = _mm256_fmadd_ps(w[1], s0, o0);
+            w[2] = _mm256_fmadd_ps(w[2], s1, o1), w[3] = _mm256_fmadd_ps(w[3], s1, o1);
+            for (int m = 0; m < mb; m++) {
+                const float *xm = x + m * ldx + c;
+                for (int j = 0; j < 4; j++)
+                    acc[r][m][j & 1] =
+                        _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), acc[r][m][j & 1]);
+            }
+        }
+        g0 = g1;
+        if (--left == 0) g0++, g1++, left = halves; /* the half at c + 32 */
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mb; m++)
+            out[r * mb + m] = hsum8(_mm256_add_ps(acc[r][m][0], acc[r][m][1]));
+}
+#else
 /* out[r * mb + m] = sum_k w[n + r, k] x[m, k] for r < nr weight rows (of `row_bytes` bytes,
  * `groups` scales each) and m < mb activation rows (float32, stride ldx). Two accumulators per
  * output (columns c.. and c + 16..) and several weight rows at a time at one or two activation
@@ -167,6 +232,7 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *row, l
     for (int r = 0; r < nr; r++)
         for (int m = 0; m < mb; m++) out[r * mb + m] = hsum(acc[r][m][0] + acc[r][m][1]);
 }
+#endif
 
 #define TILE(NR, MB) tile_dot(row, row_bytes, bits, sc, mn, groups, group, x, ldx, k, NR, MB, out)
 
@@ -559,6 +625,175 @@ int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *sc
 }
 
 int kvflow_q_vnni_built(void) { return 1; }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+/* The same kernel where the CPU has AVX2 but no AVX-512 (most laptops, older servers): the same
+ * int8 activations (one scale per row and 32 columns, rounded as above), each block of 32
+ * columns a product of bytes in vpmaddubsw (unsigned by signed, pairs summed in int16: at most
+ * 2 x 128 x 127, no saturation) then vpmaddwd by ones (int32 per 4 columns), scaled into
+ * float32 accumulators. A 4-bit block's 16 bytes unpack to its 32 codes in column order (low
+ * nibbles are columns 0-15, high 16-31), so the activations stay in column order for both code
+ * widths; 8-bit codes go in as |code| with the activation given the code's sign. Widening the
+ * codes to float32 instead took about twice the instructions a weight: on 2 Zen cores without
+ * AVX-512 that kernel, not memory, bounded a decode step. */
+#define VNNI_MAX_ROWS 4
+
+struct vnni_x {
+    const int8_t *q; /* [M][K] */
+    const float *d;  /* [M][K / 32]: each block's activation scale */
+    const float *xs; /* [M][groups]: float sums per weight group (mins only) */
+};
+
+static void avx2_prepare(const uint16_t *x, int M, int K, int group, int8_t *q, float *d,
+                         float *xs) {
+    int groups = K / group;
+    const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.4e38f);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < K / 32; b++) {
+            const uint16_t *at = x + (long)m * K + b * 32;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            int finite = 1;
+            for (int j = 0; j < 4; j++) {
+                __m128i h = _mm_loadu_si128((const __m128i *)(at + 8 * j));
+                v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                __m256 a = _mm256_andnot_ps(sign, v[j]);
+                finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_NLE_UQ)) == 0;
+                amax = _mm256_max_ps(amax, a);
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            float inv = finite && top > 0.0f ? 127.0f / top : 0.0f;
+            __m256i i32[4];
+            for (int j = 0; j < 4; j++)
+                i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+            /* int32 -> int8 in column order: the packs interleave 128-bit lanes, undone after */
+            __m256i i16 = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+            __m256i i8 = _mm256_packs_epi16(i16, i16b);
+            i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + (long)m * K + b * 32), i8);
+            d[(long)m * (K / 32) + b] = finite ? top / 127.0f : __builtin_nanf("");
+            if (xs != NULL) {
+                float *sums = xs + (long)m * groups;
+                __m256 lo = _mm256_add_ps(v[0], v[1]), hi = _mm256_add_ps(v[2], v[3]);
+                if (group == 16) {
+                    sums[2 * b] = hsum8(lo);
+                    sums[2 * b + 1] = hsum8(hi);
+                } else {
+                    sums[b * 32 / group] += hsum8(_mm256_add_ps(lo, hi));
+                }
+            }
+        }
+}
+
+/* The 32 codes of block b of a weight row, as unsigned bytes in column order (8-bit: |code|,
+ * and `neg` the codes themselves, whose signs go to the activations). */
+static inline __m256i avx2_codes(const uint8_t *row, int bits, int b, __m256i *neg) {
+    if (bits == 4) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * b));
+        __m128i lo = _mm_and_si128(v, _mm_set1_epi8(15));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
+        return _mm256_set_m128i(hi, lo);
+    }
+    *neg = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
+    return _mm256_abs_epi8(*neg);
+}
+
+/* out[r * mb + m] = row r of the weight tile . activation row m0 + m, for r < nr, m < mb
+ * (compile-time constants after inlining: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void vnni_tile(
+    const uint8_t *codes, long row_bytes, const void *sc, const void *mn, int half, int group,
+    int bits, int K, const struct vnni_x *X, int m0, int nr, int mb, float *out) {
+    int groups = K / group, blocks = K / 32;
+    __m256 acc[4][VNNI_MAX_ROWS];
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mb; m++) acc[r][m] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    /* block b's (first) scale: g, counted along (a division a block cost more than the block) */
+    int per = group == 16 ? 1 : group / 32, left = per;
+    for (int b = 0, g0 = 0; b < blocks; b++) {
+        for (int r = 0; r < nr; r++) {
+            __m256i neg = _mm256_setzero_si256();
+            __m256i w = avx2_codes(codes + r * row_bytes, bits, b, &neg);
+            long g = (long)r * groups + g0;
+            __m256 sw = group == 16 ? _mm256_set_m128(_mm_set1_ps(scale_at(sc, g + 1, half)),
+                                                      _mm_set1_ps(scale_at(sc, g, half)))
+                                    : _mm256_set1_ps(scale_at(sc, g, half));
+            for (int m = 0; m < mb; m++) {
+                const int8_t *xq = X->q + (long)(m0 + m) * K + 32 * b;
+                __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+                if (bits == 8) xv = _mm256_sign_epi8(xv, neg);
+                __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+                __m256 dx = _mm256_set1_ps(X->d[(long)(m0 + m) * blocks + b]);
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sw, dx),
+                                            acc[r][m]);
+            }
+        }
+        if (group == 16) g0 += 2;
+        else if (--left == 0) g0++, left = per;
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mb; m++) {
+            float total = hsum8(acc[r][m]);
+            if (mn != NULL) { /* X->xs holds the sums exactly when there are mins */
+                const float *xs = X->xs + (long)(m0 + m) * groups;
+                for (int g = 0; g < groups; g++) total += scale_at(mn, r * groups + g, half) * xs[g];
+            }
+            out[r * mb + m] = total;
+        }
+}
+
+#define VNNI_TILE(NR, MB)                                                                      \
+    vnni_tile(codes + n * row_bytes, row_bytes, scales_from(scales, n * groups, half),         \
+              mins ? scales_from(mins, n * groups, half) : NULL, half, group, bits, K, &X, m0, \
+              NR, MB, out)
+
+int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *scales,
+                         const void *mins, int half, int bits, int group, const uint16_t *bias,
+                         uint16_t *y, int M, int N, int K) {
+    if (K % 32 || K % group || (bits == 4 && group != 32) ||
+        (bits == 8 && group != 16 && group % 32))
+        return 0;
+    long row_bytes = bits == 4 ? K / 2 : K, groups = K / group;
+    int8_t *q = malloc((size_t)M * K);
+    float *d = malloc((size_t)M * (K / 32) * sizeof(float));
+    float *xs = mins ? calloc((size_t)M * groups, sizeof(float)) : NULL;
+    if (q == NULL || d == NULL || (mins && xs == NULL)) return free(q), free(d), free(xs), 0;
+    avx2_prepare(x, M, K, group, q, d, xs);
+    struct vnni_x X = {q, d, xs};
+    int nr = M == 1 ? 4 : M == 2 ? 2 : 1; /* weight rows a tile */
+    int tiles = (N + nr - 1) / nr;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * nr, rows = N - n0 < nr ? N - n0 : nr;
+        int r_n = rows == nr ? nr : 1; /* a last partial tile: its rows one by one */
+        float out[4 * VNNI_MAX_ROWS];
+        for (int m0 = 0; m0 < M; m0 += VNNI_MAX_ROWS) {
+            int mb = M - m0 < VNNI_MAX_ROWS ? M - m0 : VNNI_MAX_ROWS;
+            for (int r0 = 0; r0 < rows; r0 += r_n) {
+                long n = n0 + r0;
+                if (r_n == 4) VNNI_TILE(4, 1);
+                else if (r_n == 2) VNNI_TILE(2, 2);
+                else switch (mb) {
+                    case 1: VNNI_TILE(1, 1); break;
+                    case 2: VNNI_TILE(1, 2); break;
+                    case 3: VNNI_TILE(1, 3); break;
+                    default: VNNI_TILE(1, 4); break;
+                }
+                for (int r = 0; r < r_n; r++) {
+                    float b = bias == NULL ? 0.0f : bf16_to_float(bias[n + r]);
+                    for (int m = 0; m < mb; m++)
+                        y[(long)(m0 + m) * N + n + r] = float_to_bf16(out[r * mb + m] + b);
+                }
+            }
+        }
+    }
+    free(q);
+    free(d);
+    free(xs);
+    return 1;
+}
+
+int kvflow_q_vnni_built(void) { return 2; } /* 2: AVX2's products */
 #else
 int kvflow_q_vnni_built(void) { return 0; }
 REFUSING_INT8_KERNEL(kvflow_q_linear_vnni)
