@@ -181,8 +181,7 @@ def test_routing_by_rows() -> None:
     MAX_KERNEL_ROWS = quant_kernels.MAX_KERNEL_ROWS
 
     def expect(bits: int, rows: int) -> str:
-        limit = quant_kernels.AVX2_VNNI_ROWS[bits] if quant.vnni_is_avx2() else MAX_KERNEL_ROWS
-        if vnni and rows <= (quant_kernels.VNNI_ROWS[bits] if amx else limit):
+        if vnni and rows <= (quant_kernels.VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
             return "vnni"
         if amx and rows <= quant_kernels.AMX_ROWS[bits]:
             return "amx"

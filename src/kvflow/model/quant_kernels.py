@@ -3,12 +3,12 @@ quantized embedding lookup. The CPU kernels themselves are kvflow.kernels.cpu.qu
 
 For bf16 activations (`route`): a few rows (decode) take the int8 dot-product kernel ("vnni":
 AVX512-VNNI's, or AVX2's on a CPU without AVX-512), up to `VNNI_ROWS[bits]` where AMX is beside
-it, `AVX2_VNNI_ROWS[bits]` for AVX2's and `MAX_KERNEL_ROWS` otherwise; more rows, up to
+it and up to `MAX_KERNEL_ROWS` where it is not; more rows, up to
 `AMX_ROWS[bits]`, take the AMX-INT8 kernel (both quantize the activations to int8 per 32
 columns); more, up to `MAX_GEMM_ROWS`, AMX's bf16 tiles on the weight dequantized inside the
 kernel ("gemm", which also makes an MLP's silu(gate) * up in its epilogue: `gated_linear`).
-Without AMX, the float32 kernel (codes widened in registers) takes up to `MAX_KERNEL_ROWS` rows,
-as it does for float32 activations. Larger batches (long prompts) dequantize the weight to bf16
+Without AMX or int8 dot products, the float32 kernel (codes widened in registers) takes up to
+`MAX_KERNEL_ROWS` rows, as it does for float32 activations. Larger batches (long prompts) dequantize the weight to bf16
 and run oneDNN's matmul, which is faster there; to float32 where torch's bf16 matmul is the
 slower (`tuning.bf16_matmul_pays`: CPUs without AVX512-BF16 or AMX). The limits are measured
 (benchmarks/quant_matmul.py; RESULTS.md).
@@ -30,9 +30,6 @@ MAX_KERNEL_ROWS = 16  # rows the float32 and VNNI kernels take without AMX
 AMX_ROWS = {4: 16, 8: 64}  # rows the AMX-INT8 kernel takes, by code bits; more: "gemm"
 MAX_GEMM_ROWS = 1024  # rows the AMX-BF16 kernel takes; more: dequantize, then oneDNN's matmul
 VNNI_ROWS = {4: 4, 8: 1}  # rows the VNNI kernel takes beside AMX, by code bits
-# rows AVX2's int8 kernel takes (no AVX-512): 4-bit codes unpack in as many instructions as
-# the float32 kernel's widening, so it wins at one row only (RESULTS.md, 2026-12-07)
-AVX2_VNNI_ROWS = {4: 1, 8: MAX_KERNEL_ROWS}
 
 
 def native_available() -> bool:
@@ -53,8 +50,7 @@ def _route(rows: int, bits: int, group: int, dtype: torch.dtype) -> str:
         return "dequant"
     amx = dtype == torch.bfloat16 and quant.amx_available() and quant.amx_takes(group)
     if dtype == torch.bfloat16 and quant.vnni_available() and quant.vnni_takes(bits, group):
-        limit = AVX2_VNNI_ROWS[bits] if quant.vnni_is_avx2() else MAX_KERNEL_ROWS
-        if rows <= (VNNI_ROWS[bits] if amx else limit):
+        if rows <= (VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
             return "vnni"
     if amx and rows <= AMX_ROWS[bits]:
         return "amx"

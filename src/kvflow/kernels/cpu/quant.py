@@ -61,8 +61,7 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_q_amx_init.restype = num
     lib.amx = bool(lib.kvflow_q_amx_init())
     lib.kvflow_q_vnni_built.restype = num
-    built = lib.kvflow_q_vnni_built()  # 1: AVX512-VNNI's, 2: AVX2's
-    lib.vnni, lib.vnni_avx2 = built > 0, built == 2
+    lib.vnni = bool(lib.kvflow_q_vnni_built())
     return lib
 
 
@@ -87,12 +86,6 @@ def vnni_available() -> bool:
     with AVX2 and no AVX-512)."""
     lib = library()
     return lib is not None and lib.vnni
-
-
-def vnni_is_avx2() -> bool:
-    """Whether "vnni" is AVX2's kernel (a CPU without AVX-512), which wins fewer rows."""
-    lib = library()
-    return lib is not None and lib.vnni_avx2
 
 
 def vnni_takes(bits: int, group: int) -> bool:

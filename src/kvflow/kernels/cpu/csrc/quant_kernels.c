@@ -627,24 +627,35 @@ int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *sc
 int kvflow_q_vnni_built(void) { return 1; }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 /* The same kernel where the CPU has AVX2 but no AVX-512 (most laptops, older servers): the same
- * int8 activations (one scale per row and 32 columns, rounded as above), each block of 32
- * columns a product of bytes in vpmaddubsw (unsigned by signed, pairs summed in int16: at most
- * 2 x 128 x 127, no saturation) then vpmaddwd by ones (int32 per 4 columns), scaled into
- * float32 accumulators. A 4-bit block's 16 bytes unpack to its 32 codes in column order (low
- * nibbles are columns 0-15, high 16-31), so the activations stay in column order for both code
- * widths; 8-bit codes go in as |code| with the activation given the code's sign. Widening the
- * codes to float32 instead took about twice the instructions a weight: on 2 Zen cores without
- * AVX-512 that kernel, not memory, bounded a decode step. */
+ * int8 activations (one scale per row and 32 columns, rounded as above), products of bytes in
+ * vpmaddubsw (unsigned by signed, pairs summed in int16) then vpmaddwd by ones (int32 per 4
+ * columns), scaled into float32 accumulators. On 2 Zen cores without AVX-512 the instructions
+ * per code, not memory, bound a decode step, so each is counted:
+ *
+ *   4-bit codes: two blocks (64 columns) a step. Their 32 bytes unpack in three instructions to
+ *     low nibbles (columns 0-15 of block b, then of b + 1) and high ones (16-31 of each), so the
+ *     activations are laid out to match: per pair of blocks 64 bytes, block b's first 16 values,
+ *     b + 1's first 16, b's last 16, b + 1's last 16 (`avx2_prepare`). The two products add in
+ *     int16 (at most 2 x 2 x 15 x 127), one vpmaddwd makes block b's lanes 0-3 and b + 1's
+ *     4-7, and one multiply-add scales both (weight scale x activation scale, per lane).
+ *   8-bit codes (signed): a block a step, |code| against the activation given the code's sign
+ *     (at most 2 x 128 x 127 a pair, no saturation); the activations in column order.
+ *
+ * Mins (Q4_0, Q4_1, Q4_K, Q5_K) add sum_g min[n, g] * (the float sum of x over group g), 8
+ * groups an instruction. Widening the codes to float32 (the kernel above) took twice these
+ * instructions a code. */
 #define VNNI_MAX_ROWS 4
 
 struct vnni_x {
-    const int8_t *q; /* [M][K] */
-    const float *d;  /* [M][K / 32]: each block's activation scale */
-    const float *xs; /* [M][groups]: float sums per weight group (mins only) */
+    const int8_t *q;  /* [M][stride] */
+    const float *dl;  /* [M][lanes]: 4-bit: 8 a pair of blocks (4 each); 8-bit: 1 a block */
+    const float *xs;  /* [M][groups]: float sums per weight group (mins only) */
+    long stride, lanes;
 };
 
-static void avx2_prepare(const uint16_t *x, int M, int K, int group, int8_t *q, float *d,
-                         float *xs) {
+/* Quantizes x [M, K] (bf16) into `X`'s buffers (zeroed by the caller, padding included). */
+static void avx2_prepare(const uint16_t *x, int M, int K, int bits, int group, int8_t *q,
+                         float *dl, float *xs, long stride, long lanes) {
     int groups = K / group;
     const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.4e38f);
     for (int m = 0; m < M; m++)
@@ -663,15 +674,26 @@ static void avx2_prepare(const uint16_t *x, int M, int K, int group, int8_t *q, 
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
             float inv = finite && top > 0.0f ? 127.0f / top : 0.0f;
+            float d = finite ? top / 127.0f : __builtin_nanf("");
             __m256i i32[4];
             for (int j = 0; j < 4; j++)
                 i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
             /* int32 -> int8 in column order: the packs interleave 128-bit lanes, undone after */
-            __m256i i16 = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-            __m256i i8 = _mm256_packs_epi16(i16, i16b);
+            __m256i i8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
+                                            _mm256_packs_epi32(i32[2], i32[3]));
             i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(q + (long)m * K + b * 32), i8);
-            d[(long)m * (K / 32) + b] = finite ? top / 127.0f : __builtin_nanf("");
+            int8_t *row = q + (long)m * stride;
+            float *lane = dl + (long)m * lanes;
+            if (bits == 4) { /* block b: 16 bytes at 64 p + 16 h, and 32 bytes further on */
+                long p = b / 2, h = b % 2;
+                _mm_storeu_si128((__m128i *)(row + 64 * p + 16 * h), _mm256_castsi256_si128(i8));
+                _mm_storeu_si128((__m128i *)(row + 64 * p + 32 + 16 * h),
+                                 _mm256_extracti128_si256(i8, 1));
+                for (int j = 0; j < 4; j++) lane[8 * p + 4 * h + j] = d;
+            } else {
+                _mm256_storeu_si256((__m256i *)(row + 32 * b), i8);
+                lane[b] = d;
+            }
             if (xs != NULL) {
                 float *sums = xs + (long)m * groups;
                 __m256 lo = _mm256_add_ps(v[0], v[1]), hi = _mm256_add_ps(v[2], v[3]);
@@ -685,17 +707,21 @@ static void avx2_prepare(const uint16_t *x, int M, int K, int group, int8_t *q, 
         }
 }
 
-/* The 32 codes of block b of a weight row, as unsigned bytes in column order (8-bit: |code|,
- * and `neg` the codes themselves, whose signs go to the activations). */
-static inline __m256i avx2_codes(const uint8_t *row, int bits, int b, __m256i *neg) {
-    if (bits == 4) {
-        __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * b));
-        __m128i lo = _mm_and_si128(v, _mm_set1_epi8(15));
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
-        return _mm256_set_m128i(hi, lo);
-    }
-    *neg = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
-    return _mm256_abs_epi8(*neg);
+/* 8 scales or mins from `at` (float16 where `half`) as float32. */
+static inline __m256 load8(const void *at, int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+    return _mm256_loadu_ps((const float *)at);
+}
+
+/* sum_g mins[g] * xs[g] over a row's `groups` groups, 8 at a time. */
+static inline float mins_term(const void *mn, const float *xs, int groups, int half) {
+    __m256 t = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= groups; g += 8)
+        t = _mm256_fmadd_ps(load8(scales_from(mn, g, half), half), _mm256_loadu_ps(xs + g), t);
+    float total = hsum8(t);
+    for (; g < groups; g++) total += scale_at(mn, g, half) * xs[g];
+    return total;
 }
 
 /* out[r * mb + m] = row r of the weight tile . activation row m0 + m, for r < nr, m < mb
@@ -708,36 +734,62 @@ static inline __attribute__((always_inline)) void vnni_tile(
     for (int r = 0; r < nr; r++)
         for (int m = 0; m < mb; m++) acc[r][m] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-    /* block b's (first) scale: g, counted along (a division a block cost more than the block) */
-    int per = group == 16 ? 1 : group / 32, left = per;
-    for (int b = 0, g0 = 0; b < blocks; b++) {
-        for (int r = 0; r < nr; r++) {
-            __m256i neg = _mm256_setzero_si256();
-            __m256i w = avx2_codes(codes + r * row_bytes, bits, b, &neg);
-            long g = (long)r * groups + g0;
-            __m256 sw = group == 16 ? _mm256_set_m128(_mm_set1_ps(scale_at(sc, g + 1, half)),
-                                                      _mm_set1_ps(scale_at(sc, g, half)))
-                                    : _mm256_set1_ps(scale_at(sc, g, half));
-            for (int m = 0; m < mb; m++) {
-                const int8_t *xq = X->q + (long)(m0 + m) * K + 32 * b;
-                __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-                if (bits == 8) xv = _mm256_sign_epi8(xv, neg);
-                __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-                __m256 dx = _mm256_set1_ps(X->d[(long)(m0 + m) * blocks + b]);
-                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sw, dx),
-                                            acc[r][m]);
+    if (bits == 4) { /* group 32: block b's scale is scale b */
+        const __m256i low = _mm256_set1_epi8(15), spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        for (int b = 0; b < blocks; b += 2) {
+            int pair = b + 1 < blocks; /* a row's odd last block: alone, its upper lanes zero */
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *at = codes + r * row_bytes + 16 * b;
+                __m256i v = pair ? _mm256_loadu_si256((const __m256i *)at)
+                                 : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)at));
+                __m256i lo = _mm256_and_si256(v, low);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                const void *s = scales_from(sc, (long)r * groups + b, half);
+                __m128 two = half ? _mm_cvtph_ps(pair ? _mm_loadu_si32(s) : _mm_loadu_si16(s))
+                                  : pair ? _mm_castpd_ps(_mm_load_sd((const double *)s))
+                                         : _mm_load_ss((const float *)s);
+                __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
+                for (int m = 0; m < mb; m++) {
+                    const int8_t *xq = X->q + (long)(m0 + m) * X->stride + 32 * b;
+                    __m256i p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
+                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32))));
+                    __m256 dl = _mm256_loadu_ps(X->dl + (long)(m0 + m) * X->lanes + 4 * b);
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                                _mm256_mul_ps(sw, dl), acc[r][m]);
+                }
             }
         }
-        if (group == 16) g0 += 2;
-        else if (--left == 0) g0++, left = per;
+    } else {
+        /* block b's (first) scale: g0, counted along (no division a block) */
+        int per = group == 16 ? 1 : group / 32, left = per;
+        for (int b = 0, g0 = 0; b < blocks; b++) {
+            for (int r = 0; r < nr; r++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(codes + r * row_bytes + 32 * b));
+                __m256i aw = _mm256_abs_epi8(w);
+                long g = (long)r * groups + g0;
+                __m256 sw = group == 16 ? _mm256_set_m128(_mm_set1_ps(scale_at(sc, g + 1, half)),
+                                                          _mm_set1_ps(scale_at(sc, g, half)))
+                                        : _mm256_set1_ps(scale_at(sc, g, half));
+                for (int m = 0; m < mb; m++) {
+                    const int8_t *xq = X->q + (long)(m0 + m) * X->stride + 32 * b;
+                    __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), w);
+                    __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+                    __m256 dx = _mm256_set1_ps(X->dl[(long)(m0 + m) * X->lanes + b]);
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sw, dx),
+                                                acc[r][m]);
+                }
+            }
+            if (group == 16) g0 += 2;
+            else if (--left == 0) g0++, left = per;
+        }
     }
     for (int r = 0; r < nr; r++)
         for (int m = 0; m < mb; m++) {
             float total = hsum8(acc[r][m]);
-            if (mn != NULL) { /* X->xs holds the sums exactly when there are mins */
-                const float *xs = X->xs + (long)(m0 + m) * groups;
-                for (int g = 0; g < groups; g++) total += scale_at(mn, r * groups + g, half) * xs[g];
-            }
+            if (mn != NULL) /* X->xs holds the sums exactly when there are mins */
+                total += mins_term(scales_from(mn, (long)r * groups, half),
+                                   X->xs + (long)(m0 + m) * groups, groups, half);
             out[r * mb + m] = total;
         }
 }
@@ -753,13 +805,15 @@ int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *sc
     if (K % 32 || K % group || (bits == 4 && group != 32) ||
         (bits == 8 && group != 16 && group % 32))
         return 0;
-    long row_bytes = bits == 4 ? K / 2 : K, groups = K / group;
-    int8_t *q = malloc((size_t)M * K);
-    float *d = malloc((size_t)M * (K / 32) * sizeof(float));
+    long blocks = K / 32, pairs = (blocks + 1) / 2, groups = K / group;
+    long stride = bits == 4 ? 64 * pairs : K, lanes = bits == 4 ? 8 * pairs : blocks;
+    long row_bytes = bits == 4 ? K / 2 : K;
+    int8_t *q = calloc((size_t)M * stride, 1);
+    float *dl = calloc((size_t)M * lanes, sizeof(float));
     float *xs = mins ? calloc((size_t)M * groups, sizeof(float)) : NULL;
-    if (q == NULL || d == NULL || (mins && xs == NULL)) return free(q), free(d), free(xs), 0;
-    avx2_prepare(x, M, K, group, q, d, xs);
-    struct vnni_x X = {q, d, xs};
+    if (q == NULL || dl == NULL || (mins && xs == NULL)) return free(q), free(dl), free(xs), 0;
+    avx2_prepare(x, M, K, bits, group, q, dl, xs, stride, lanes);
+    struct vnni_x X = {q, dl, xs, stride, lanes};
     int nr = M == 1 ? 4 : M == 2 ? 2 : 1; /* weight rows a tile */
     int tiles = (N + nr - 1) / nr;
 #pragma omp parallel for schedule(static)
@@ -788,12 +842,12 @@ int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *sc
         }
     }
     free(q);
-    free(d);
+    free(dl);
     free(xs);
     return 1;
 }
 
-int kvflow_q_vnni_built(void) { return 2; } /* 2: AVX2's products */
+int kvflow_q_vnni_built(void) { return 1; }
 #else
 int kvflow_q_vnni_built(void) { return 0; }
 REFUSING_INT8_KERNEL(kvflow_q_linear_vnni)
