@@ -560,71 +560,18 @@ static inline void vnni_prefetch(const void *at, long bytes) {
     for (; p < (const char *)at + bytes; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
-#define VNNI_TILE(NR, MB)                                                                      \
-    vnni_tile(codes + n * row_bytes, row_bytes, scales_from(scales, n * groups, half),         \
-              mins ? scales_from(mins, n * groups, half) : NULL, half, group, bits, K, &X, m0, \
-              NR, MB, out)
-
-/* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL); mins NULL when every min is
- * zero. Needs K a multiple of 32 and group 32 (4-bit) or 16, 32 or a multiple of 64 (8-bit);
- * returns 0 (nothing written) when it cannot run. */
-int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *scales,
-                         const void *mins, int half, int bits, int group, const uint16_t *bias,
-                         uint16_t *y, int M, int N, int K) {
-    if (K % 32 || K % group || (bits == 4 && group != 32) ||
-        (bits == 8 && group != 16 && group != 32 && group % 64))
-        return 0;
-    long stride = bits == 4 ? (K + 127) / 128 * 128 : (K + 63) / 64 * 64;
-    long lanes = bits == 4 ? stride / 8 : stride / 4, groups = K / group;
-    long row_bytes = bits == 4 ? K / 2 : K;
-    int8_t *q = calloc((size_t)M * stride, 1);
-    float *dl = calloc((size_t)M * lanes, sizeof(float));
-    float *xs = mins ? calloc((size_t)M * groups, sizeof(float)) : NULL;
-    if (q == NULL || dl == NULL || (mins && xs == NULL)) return free(q), free(dl), free(xs), 0;
-    vnni_prepare(x, M, K, bits, group, q, dl, xs, stride, lanes);
-    struct vnni_x X = {q, dl, xs, stride, lanes};
-    int nr = M == 1 ? 4 : M == 2 ? 2 : 1; /* weight rows a tile */
-    int tiles = (N + nr - 1) / nr;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        int n0 = t * nr, rows = N - n0 < nr ? N - n0 : nr;
-        int r_n = rows == nr ? nr : 1; /* a last partial tile: its rows one by one */
-        float out[4 * VNNI_MAX_ROWS];
-        if (t + VNNI_AHEAD < tiles) { /* loads waited on memory more without (RESULTS.md) */
-            long ahead = (long)(t + VNNI_AHEAD) * nr;
-            int last = ahead + nr > N ? N : (int)ahead + nr;
-            vnni_prefetch(codes + ahead * row_bytes, (last - ahead) * row_bytes);
-            long scale_bytes = (last - ahead) * groups * (half ? 2 : 4);
-            vnni_prefetch(scales_from(scales, ahead * groups, half), scale_bytes);
-            if (mins) vnni_prefetch(scales_from(mins, ahead * groups, half), scale_bytes);
-        }
-        for (int m0 = 0; m0 < M; m0 += VNNI_MAX_ROWS) {
-            int mb = M - m0 < VNNI_MAX_ROWS ? M - m0 : VNNI_MAX_ROWS;
-            for (int r0 = 0; r0 < rows; r0 += r_n) {
-                long n = n0 + r0;
-                if (r_n == 4) VNNI_TILE(4, 1);
-                else if (r_n == 2) VNNI_TILE(2, 2);
-                else switch (mb) {
-                    case 1: VNNI_TILE(1, 1); break;
-                    case 2: VNNI_TILE(1, 2); break;
-                    case 3: VNNI_TILE(1, 3); break;
-                    default: VNNI_TILE(1, 4); break;
-                }
-                for (int r = 0; r < r_n; r++) {
-                    float b = bias == NULL ? 0.0f : bf16_to_float(bias[n + r]);
-                    for (int m = 0; m < mb; m++)
-                        y[(long)(m0 + m) * N + n + r] = float_to_bf16(out[r * mb + m] + b);
-                }
-            }
-        }
-    }
-    free(q);
-    free(dl);
-    free(xs);
-    return 1;
+/* Whether the kernel takes `bits`-bit codes in groups of `group` columns (K a multiple of 32
+ * and of group), and the activations' buffers per row: bytes (stride) and scales (lanes). */
+static int vnni_supports(int bits, int group) {
+    return bits == 4 ? group == 32 : group == 16 || group == 32 || group % 64 == 0;
 }
 
-int kvflow_q_vnni_built(void) { return 1; }
+static void vnni_layout(int bits, int K, long *stride, long *lanes) {
+    *stride = bits == 4 ? (K + 127) / 128 * 128 : (K + 63) / 64 * 64;
+    *lanes = bits == 4 ? *stride / 8 : *stride / 4;
+}
+
+#define KVFLOW_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 /* The same kernel where the CPU has AVX2 but no AVX-512 (most laptops, older servers): the same
  * int8 activations (one scale per row and 32 columns, rounded as above), products of bytes in
@@ -635,7 +582,7 @@ int kvflow_q_vnni_built(void) { return 1; }
  *   4-bit codes: two blocks (64 columns) a step. Their 32 bytes unpack in three instructions to
  *     low nibbles (columns 0-15 of block b, then of b + 1) and high ones (16-31 of each), so the
  *     activations are laid out to match: per pair of blocks 64 bytes, block b's first 16 values,
- *     b + 1's first 16, b's last 16, b + 1's last 16 (`avx2_prepare`). The two products add in
+ *     b + 1's first 16, b's last 16, b + 1's last 16 (`vnni_prepare`). The two products add in
  *     int16 (at most 2 x 2 x 15 x 127), one vpmaddwd makes block b's lanes 0-3 and b + 1's
  *     4-7, and one multiply-add scales both (weight scale x activation scale, per lane).
  *   8-bit codes (signed): a block a step, |code| against the activation given the code's sign
@@ -654,7 +601,7 @@ struct vnni_x {
 };
 
 /* Quantizes x [M, K] (bf16) into `X`'s buffers (zeroed by the caller, padding included). */
-static void avx2_prepare(const uint16_t *x, int M, int K, int bits, int group, int8_t *q,
+static void vnni_prepare(const uint16_t *x, int M, int K, int bits, int group, int8_t *q,
                          float *dl, float *xs, long stride, long lanes) {
     int groups = K / group;
     const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.4e38f);
@@ -794,25 +741,40 @@ static inline __attribute__((always_inline)) void vnni_tile(
         }
 }
 
+static int vnni_supports(int bits, int group) {
+    return bits == 4 ? group == 32 : group == 16 || group % 32 == 0;
+}
+
+static void vnni_layout(int bits, int K, long *stride, long *lanes) {
+    long blocks = K / 32, pairs = (blocks + 1) / 2;
+    *stride = bits == 4 ? 64 * pairs : K;
+    *lanes = bits == 4 ? 8 * pairs : blocks;
+}
+
+#define KVFLOW_VNNI 1
+#endif
+
+#ifdef KVFLOW_VNNI /* the entry point over either branch's tile, layout and preparation */
 #define VNNI_TILE(NR, MB)                                                                      \
     vnni_tile(codes + n * row_bytes, row_bytes, scales_from(scales, n * groups, half),         \
               mins ? scales_from(mins, n * groups, half) : NULL, half, group, bits, K, &X, m0, \
               NR, MB, out)
 
+/* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL); mins NULL when every min is
+ * zero. Needs K a multiple of 32 and groups `vnni_supports` takes; returns 0 (nothing written)
+ * when it cannot run. */
 int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *scales,
                          const void *mins, int half, int bits, int group, const uint16_t *bias,
                          uint16_t *y, int M, int N, int K) {
-    if (K % 32 || K % group || (bits == 4 && group != 32) ||
-        (bits == 8 && group != 16 && group % 32))
-        return 0;
-    long blocks = K / 32, pairs = (blocks + 1) / 2, groups = K / group;
-    long stride = bits == 4 ? 64 * pairs : K, lanes = bits == 4 ? 8 * pairs : blocks;
+    if (K % 32 || K % group || !vnni_supports(bits, group)) return 0;
+    long stride, lanes, groups = K / group;
+    vnni_layout(bits, K, &stride, &lanes);
     long row_bytes = bits == 4 ? K / 2 : K;
     int8_t *q = calloc((size_t)M * stride, 1);
     float *dl = calloc((size_t)M * lanes, sizeof(float));
     float *xs = mins ? calloc((size_t)M * groups, sizeof(float)) : NULL;
     if (q == NULL || dl == NULL || (mins && xs == NULL)) return free(q), free(dl), free(xs), 0;
-    avx2_prepare(x, M, K, bits, group, q, dl, xs, stride, lanes);
+    vnni_prepare(x, M, K, bits, group, q, dl, xs, stride, lanes);
     struct vnni_x X = {q, dl, xs, stride, lanes};
     int nr = M == 1 ? 4 : M == 2 ? 2 : 1; /* weight rows a tile */
     int tiles = (N + nr - 1) / nr;
@@ -821,6 +783,16 @@ int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *sc
         int n0 = t * nr, rows = N - n0 < nr ? N - n0 : nr;
         int r_n = rows == nr ? nr : 1; /* a last partial tile: its rows one by one */
         float out[4 * VNNI_MAX_ROWS];
+#ifdef VNNI_AHEAD
+        if (t + VNNI_AHEAD < tiles) { /* loads waited on memory more without (RESULTS.md) */
+            long ahead = (long)(t + VNNI_AHEAD) * nr;
+            int last = ahead + nr > N ? N : (int)ahead + nr;
+            vnni_prefetch(codes + ahead * row_bytes, (last - ahead) * row_bytes);
+            long scale_bytes = (last - ahead) * groups * (half ? 2 : 4);
+            vnni_prefetch(scales_from(scales, ahead * groups, half), scale_bytes);
+            if (mins) vnni_prefetch(scales_from(mins, ahead * groups, half), scale_bytes);
+        }
+#endif
         for (int m0 = 0; m0 < M; m0 += VNNI_MAX_ROWS) {
             int mb = M - m0 < VNNI_MAX_ROWS ? M - m0 : VNNI_MAX_ROWS;
             for (int r0 = 0; r0 < rows; r0 += r_n) {
