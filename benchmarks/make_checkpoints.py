@@ -6,7 +6,8 @@
         --out /tmp/kvflow-shapes/8b-bf16
 
 Formats: gguf-q4_0 and gguf-q8_0 (the `gguf` package's quantizers), gguf-q4_k_m (llama.cpp's
-`llama-quantize`, found on PATH or given with --llama-quantize; skipped without it) and
+`llama-quantize`, given with --llama-quantize, found on PATH or built by compare.py's
+`llama-server` entry; skipped without it) and
 safetensors-bf16 (a directory). Tensors are made and written one at a time, so the peak memory is
 about one tensor, not the model. The tokenizer is the embedded model's padded to the shape's
 vocabulary. Random weights produce noise: serve them with `ignore_eos` (`kvflow bench serve`
@@ -26,6 +27,7 @@ from checkpoint_writers import write_gguf, write_q4_k_m, write_safetensors
 
 FORMATS = ("gguf-q4_0", "gguf-q8_0", "gguf-q4_k_m", "safetensors-bf16")
 DEFAULT_DIR = Path("/tmp/kvflow-shapes")
+HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shape = SHAPES[args.shape]
     out = args.out or default_out(args.shape, args.format)
+    built = HERE / ".peers" / "llama-server" / "build" / "bin" / "llama-quantize"  # compare.py's
     quantize_bin = args.llama_quantize or shutil.which("llama-quantize")
+    quantize_bin = quantize_bin or (str(built) if built.is_file() else None)
     start = time.perf_counter()
     sizes = make(shape, args.format, out, args.seed, quantize_bin)
     if sizes is None:

@@ -40,7 +40,7 @@ from kvflow.kernels.cpu import quant
 from kvflow.model import quant_kernels
 from kvflow.model.quant_format import GGUF_TYPES, QuantizedWeight, from_gguf_blocks, quantize_int8
 
-BLOCK = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32)}
+BLOCK = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32)}
 SUPER = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 needs_native = pytest.mark.skipif(
     not quant_kernels.native_available(), reason="no C compiler: the quantized kernels are off"
@@ -299,7 +299,7 @@ def test_fused_shards_of_different_types_keep_every_value() -> None:
 @needs_native
 @pytest.mark.parametrize("kind", GGUF_TYPES)
 def test_float16_scales_where_exact(kind: str) -> None:
-    """Q8_0, Q4_0 and Q4_1 keep their float16 scales (and mins) as stored; the K-quants' scales
+    """Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 keep their float16 scales (and mins) as stored; the K-quants' scales
     are products that float16 does not hold, so they stay float32. Every kernel reads float16
     ones as the same values: its output equals that of the weight with float32 copies of them,
     bit for bit (rows crossing VNNI's 4-row and AMX's 16-row tiles, a 32-column tail)."""

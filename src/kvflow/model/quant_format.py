@@ -8,8 +8,9 @@ reads, the same values). `bits` 8: one int8 code per column;
 c + 16 + i high), which is how GGUF's Q4_0 and Q4_1 blocks hold them already.
 
 GGUF block types map onto it exactly (every scale and min is a float16 times a small integer,
-exact in float32): Q8_0 -> 8 bits, group 32; Q4_0, Q4_1, Q4_K -> 4 bits, group 32; Q5_K -> 8
-bits, group 32; Q6_K -> 8 bits, group 16. `quantize_int8` makes the int8 weight-only format of
+exact in float32): Q8_0 -> 8 bits, group 32; Q4_0, Q4_1, Q4_K -> 4 bits, group 32; Q5_0, Q5_1,
+Q5_K -> 8 bits, group 32; Q6_K -> 8 bits, group 16. (llama.cpp's K-quant files hold Q5_0, Q5_1 or
+Q8_0 tensors where a row is not whole 256-column super-blocks.) `quantize_int8` makes the int8 weight-only format of
 `--quantization int8`: one group per row (per-output-channel scales), no offset.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass
@@ -185,6 +186,26 @@ def _q4_1(b: np.ndarray, n: int) -> tuple:
     return b[..., 4:].reshape(n, -1), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4, 32
 
 
+def _q5_codes(b: np.ndarray, n: int) -> np.ndarray:
+    """Q5_0/Q5_1's 5-bit codes (0..31) [n, K] from a block's 4 bytes of high bits (bit j of a
+    little-endian uint32: column j's) and 16 of low nibbles (byte i: columns i and i + 16)."""
+    qh = np.ascontiguousarray(b[..., :4]).view("<u4")  # [n, blocks, 1]
+    high = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [n, blocks, 32]
+    qs = b[..., 4:]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    return (low | (high.astype(np.uint8) << 4)).reshape(n, -1)
+
+
+def _q5_0(b: np.ndarray, n: int) -> tuple:
+    d = _f16(b[..., 0:2])
+    codes = (_q5_codes(b[..., 2:], n).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return codes, d, np.zeros_like(d), 8, 32
+
+
+def _q5_1(b: np.ndarray, n: int) -> tuple:
+    return _q5_codes(b[..., 4:], n), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 8, 32
+
+
 def _k_common(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc, mn = _k_scales(b[..., 4:16])
     d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
@@ -223,6 +244,8 @@ _PARSERS = {
     "Q8_0": (34, 32, _q8_0),
     "Q4_0": (18, 32, _q4_0),
     "Q4_1": (20, 32, _q4_1),
+    "Q5_0": (22, 32, _q5_0),
+    "Q5_1": (24, 32, _q5_1),
     "Q4_K": (144, 256, _q4_k),
     "Q5_K": (176, 256, _q5_k),
     "Q6_K": (210, 256, _q6_k),
