@@ -21,6 +21,16 @@ logger = logging.getLogger("kvflow.engine")
 EVERY_ROW = 1 << 30  # native_linear_max_rows where oneDNN has no packing to hand over to
 
 
+def _best_of_3(fn: Callable[..., torch.Tensor], *args) -> float:
+    """The shortest of 3 timed calls of fn(*args), in seconds."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 @functools.cache
 def native_linear_max_rows() -> int:
     """Up to how many rows the native kernel beats oneDNN's packed matmul on this CPU, measured
@@ -34,19 +44,11 @@ def native_linear_max_rows() -> int:
     if native is None or packed is None:
         return 0 if native is None else EVERY_ROW
 
-    def best_of_3(fn: Callable[..., torch.Tensor], *args) -> float:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn(*args)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     rows = 8
     while rows < 4096:
         x = torch.randn(2 * rows, weight.shape[1], dtype=weight.dtype)
-        ours = best_of_3(bf16_linear, x, native, None, weight.shape[0])
-        theirs = best_of_3(onednn_linear, x, packed, None)
+        ours = _best_of_3(bf16_linear, x, native, None, weight.shape[0])
+        theirs = _best_of_3(onednn_linear, x, packed, None)
         if ours > theirs:
             break
         rows *= 2
@@ -62,18 +64,8 @@ def bf16_matmul_pays() -> bool:
     float32 there."""
     weight = torch.randn(1536, 576, dtype=torch.bfloat16)
     x = torch.randn(256, 576, dtype=torch.bfloat16)
-
-    def best_of_3(fn: Callable[[], torch.Tensor]) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    bf16 = best_of_3(lambda: F.linear(x, weight))
-    wide = best_of_3(lambda: F.linear(x.float(), weight.float()).to(torch.bfloat16))
+    bf16 = _best_of_3(F.linear, x, weight)
+    wide = _best_of_3(lambda: F.linear(x.float(), weight.float()).to(torch.bfloat16))
     logger.info("bf16 matmul %.2f ms, through float32 %.2f ms (256 rows)", 1e3 * bf16, 1e3 * wide)
     return bf16 <= wide
 

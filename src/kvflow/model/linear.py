@@ -112,8 +112,9 @@ def prepack_for_cpu(model: nn.Module) -> int:
     never reads the weight again (`linear` takes a packing), so it lets the weight go
     (`_release_weight`): three copies of every weight came to 0.8 GB for a 135M-parameter model,
     and on a CPU without oneDNN's packing the weight beside the native packing doubled a 1B
-    model's bf16 (2.66 GiB loaded, 5.02 packed). An untied logits head is such a Linear and its packings
-    serve `compute_logits`; a head tied to the embedding keeps its weight for the lookups."""
+    model's bf16 (2.66 GiB loaded, 5.02 packed). An untied logits head is such a Linear and its
+    packings serve `compute_logits`; a head tied to the embedding keeps its weight for the
+    lookups."""
     head = model.logits_weight() if hasattr(model, "logits_weight") else None
     count = 0
     # without a oneDNN packing (no fast bf16 matmul in oneDNN here) the native kernel takes

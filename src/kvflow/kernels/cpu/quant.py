@@ -143,8 +143,8 @@ def linear_int8(
 ) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) -> [M, N], all bf16, x quantized to int8 with a scale per row and
     32 columns, the products on `kernel`: "amx" (AMX-INT8 tiles) or "vnni" (int8 dot products,
-    AVX512-VNNI's or AVX2's, for a few rows); the same quantization, so the same error bound. `mins` None when
-    every min is zero (it skips their pass)."""
+    AVX512-VNNI's or AVX2's, for a few rows); the same quantization, so the same error bound.
+    `mins` None when every min is zero (it skips their pass)."""
     lib = library()
     assert lib is not None and x.dtype == torch.bfloat16
     if kernel == "amx":
