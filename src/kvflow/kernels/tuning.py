@@ -60,7 +60,7 @@ def bf16_matmul_pays() -> bool:
     """Whether torch's bf16 matmul beats widening to float32 and multiplying there, for a batch
     of 256 rows on a [1536, 576] weight (best of 3 each, measured once per process). Without
     AVX512-BF16 or AMX it does not: on 2 Zen cores with AVX2 alone the bf16 matmul took 6x the
-    float32 one (RESULTS.md, 2026-12-07), so a long prompt's dequantized weight is made in
+    float32 one (benchmarks/RESULTS.md), so a long prompt's dequantized weight is made in
     float32 there."""
     weight = torch.randn(1536, 576, dtype=torch.bfloat16)
     x = torch.randn(256, 576, dtype=torch.bfloat16)
