@@ -10,7 +10,7 @@
  * float32 logits. The two above accumulate in float32. bf16 -> float32 is exact (a 16-bit
  * shift); results are rounded to nearest even. Built at run time by kvflow/kernels/cpu/build.py
  * with the system C compiler (-march=native: AVX-512 where the CPU has it, through GCC's vector
- * extensions) and loaded with ctypes; it links the OpenMP runtime torch already loaded, so both
+ * extensions; the linear kernel's AVX2 intrinsics where it has AVX2 alone) and loaded with ctypes; it links the OpenMP runtime torch already loaded, so both
  * share one thread pool.
  */
 #include <omp.h>

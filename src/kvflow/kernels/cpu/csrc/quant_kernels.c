@@ -27,7 +27,7 @@
  * multiply float32 activations: at a few rows the step reads each weight byte once, which is
  * what bounds it. Rows of w are split among OpenMP threads (torch's runtime, shared).
  * Built by kvflow/model/quant_kernels.py like cpu_kernels.c (-march=native, GCC vectors: AVX-512
- * where the CPU has it, AVX2 halves elsewhere).
+ * where the CPU has it; AVX2 intrinsics for the tiles where it has AVX2 alone).
  */
 #include <omp.h>
 #ifdef __x86_64__
