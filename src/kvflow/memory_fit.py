@@ -6,13 +6,12 @@ or a GGUF's blocks as stored), the KV pool, and a fixed overhead: the interprete
 the tokenizer's and the kernels' libraries (`OVERHEAD`). The host gives it the smaller of the
 kernel's MemAvailable and what its memory cgroup (v2 or v1, as a container gets one) leaves. A
 model that needs more is refused at start-up with the sizes, so it never meets the kernel's OOM
-killer halfway through its load. Standard library only: the loader and the worker both ask it.
+killer halfway through its load. Standard library only: the worker asks it before it loads
+anything.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 GIB = 1 << 30
@@ -21,27 +20,6 @@ GIB = 1 << 30
 OVERHEAD = 1 * GIB
 _PROC = Path("/proc")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def checkpoint_elements(path: Path) -> int:
-    """The number of weight elements in `path`'s safetensors files, from their headers alone
-    (the 8-byte length and the JSON that follows: no tensor is read)."""
-    total = 0
-    for file in sorted(path.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                total += _numel(entry["shape"])
-    return total
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 def cgroup_room(proc: Path = _PROC, root: Path = _CGROUP_ROOT) -> tuple[int, int] | None:

@@ -107,7 +107,16 @@ def test_the_start_up_log_states_the_defaults(readme_server: ServerProcess):
     log = readme_server.log()
     assert f"request defaults: max_tokens at most {CAP}" in log
     assert "temperature=0.2" in log and "top_p=0.9" in log
-    assert re.search(r"memory at start-up: KV cache [\d.]+ GiB, peak resident [\d.]+ GiB", log)
+    sizes = re.search(
+        r"memory at start-up: weights ([\d.]+) GiB, KV cache ([\d.]+) GiB, "
+        r"peak resident ([\d.]+) GiB \(VmHWM; bound .* = ([\d.]+) GiB\)",
+        log,
+    )
+    assert sizes, log[-3000:]
+    weights, kv, peak, bound = map(float, sizes.groups())
+    # the embedded model's 135M parameters in bf16, the tied head's packing beside them at most
+    assert 0.2 < weights < 0.6 and kv > 0
+    assert peak <= bound
 
 
 def test_the_log_states_vllms_defaults_without_a_generation_config():

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvflow.memory_fit import GIB, available_bytes, cgroup_room, checkpoint_elements
+from kvflow.memory_fit import GIB, available_bytes, cgroup_room
+from kvflow.model.safetensors_file import checkpoint_elements
 
 START_BOUND_S = 180.0  # generous: the refusal comes before the model loads
 

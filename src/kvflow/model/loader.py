@@ -23,6 +23,7 @@ from kvflow.embedded_model import default_gguf_path
 from kvflow.model.gguf_dir import gguf_model_dir, source_gguf
 from kvflow.model.layers import default_dtype
 from kvflow.model.registry import resolve_model_class
+from kvflow.model.safetensors_file import checkpoint_tensors
 
 # kvflow never downloads: make any transformers / huggingface_hub call local-only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -187,9 +188,8 @@ def _checkpoint_tensors(
     a GGUF, each under the name `target` resolves: the file's names fit several models'). A
     GGUF's tensors are dequantized (to `dtype_of(name)`) one ahead on a second thread while the
     one before loads: gguf's numpy dequantizers release the GIL, and a start takes about half
-    the time on two cores; at most two tensors are in flight."""
-    from safetensors import safe_open
-
+    the time on two cores; at most two tensors are in flight. A safetensors tensor is a view
+    of its mapped bytes (`safetensors_file`), copied once, into its parameter."""
     if source_gguf(path) is not None:
         from kvflow.model.gguf_weights import GgufWeights
 
@@ -211,15 +211,7 @@ def _checkpoint_tensors(
             for done, future in ahead:
                 yield done, future.result
         return
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(
-            f"No *.safetensors files in {path} (kvflow loads safetensors, or a .gguf file)."
-        )
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as tensors:
-            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                yield name, lambda name=name, tensors=tensors: tensors.get_tensor(name)
+    yield from checkpoint_tensors(path)
 
 
 def _unpack(name: str, packed: dict[str, list[str]]) -> tuple[str, int | None]:

@@ -17,7 +17,7 @@ from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from kvflow.kernels.cpu.build import native_available
 from kvflow.kernels.cpu.host_memory import keep_freed_memory
-from kvflow.memory_fit import check_fits, checkpoint_elements, peak_resident
+from kvflow.memory_fit import OVERHEAD, check_fits, peak_resident
 from kvflow.model.gguf_dir import source_gguf
 from kvflow.model.gguf_file import GgufFile
 from kvflow.model.linear import prepack_for_cpu
@@ -31,6 +31,7 @@ from kvflow.model.loader import (
     resolve_model,
 )
 from kvflow.model.quantize import describe, resolve_quantization
+from kvflow.model.safetensors_file import checkpoint_elements
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer_files import load_chat_template
 from kvflow.worker.cpu_replay import CpuDecodeReplay
@@ -234,10 +235,16 @@ def build_parts(args, device: str) -> EngineParts:
     eos = tokenizer.eos_token_id
     runner = _runner(args, model, hf_config, dtype, device, cache, max_model_len, eos)
     if device == "cpu":
+        weights = resident_bytes(model)
+        kv = cache.num_blocks * kv_bytes_per_block(hf_config, args.block_size, dtype)
         logger.info(
-            "memory at start-up: KV cache %.2f GiB, peak resident %.2f GiB (VmHWM)",
-            cache.num_blocks * kv_bytes_per_block(hf_config, args.block_size, dtype) / GIB,
+            "memory at start-up: weights %.2f GiB, KV cache %.2f GiB, peak resident %.2f GiB "
+            "(VmHWM; bound 1.2 x weights + KV cache + %.2f GiB fixed overhead = %.2f GiB)",
+            weights / GIB,
+            kv / GIB,
             peak_resident() / GIB,
+            OVERHEAD / GIB,
+            (1.2 * weights + kv + OVERHEAD) / GIB,
         )
     logger.info(
         "KV cache: %d blocks x %d tokens = %d servable tokens; max_model_len %d; dtype %s; device %s",
@@ -285,6 +292,29 @@ def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str
             _check_host_memory(path, dtype, kv, quantization)
         model, hf_config = load_quantized(path, dtype, device, backend, quantization)
     return model, hf_config, cache, max_model_len
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the tensors the model serves from: its parameters and buffers, and the
+    tensors its modules hold beside them (packings, quantized blocks, and what those cache),
+    each storage once (a released weight's placeholder is one element)."""
+    storages: dict[int, int] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item, depth)
+        elif depth and hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module):
+            for item in vars(value).values():
+                visit(item, depth - 1)
+
+    for module in model.modules():
+        for value in vars(module).values():
+            visit(value, 2)
+    return sum(storages.values())
 
 
 def _check_host_memory(path: Path, dtype: torch.dtype, kv_bytes: int, quantization: str) -> None:
