@@ -18,6 +18,7 @@ from kvflow.attention import AttentionMetadata, token_positions
 from kvflow.attention.cpu import cpu_paged_attention
 from kvflow.kernels.cpu.build import native_available
 from kvflow.model import linear, load_model
+from kvflow.model.layers import Embedding
 from kvflow.worker.kv_cache import allocate_kv_caches
 from support.tiny_models import VOCAB, tiny_configs
 
@@ -162,8 +163,15 @@ def test_bf16_prepack_releases_linear_weights_and_changes_no_logit(checkpoint, m
     assert linears and all(m.weight.untyped_storage().nbytes() <= 2 for m in linears)
     assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in kept.parameters())
     head = getattr(model, "lm_head", None)
-    if head is not None:  # untied: the logits reuse the head's packings, not a second pair
-        assert model.head_native is head.native and model.head_packed is head.packed
+    if head is not None:  # untied: the logits reuse the head's packing, no oneDNN one beside
+        assert model.head_native is head.native and model.head_packed is None
+    else:  # tied: the table's lookups read the head's packing, the table itself let go
+        table, whole = (
+            next(m for m in net.modules() if isinstance(m, Embedding)) for net in (model, kept)
+        )
+        assert table.native is model.head_native and table.weight.untyped_storage().nbytes() <= 2
+        ids = torch.tensor([[0, 5], [VOCAB - 1, 33]])
+        assert torch.equal(table(ids), torch.nn.functional.embedding(ids, whole.weight))
     lengths = [sum(n for step in SCHEDULE for r, n in step if r == req) for req in (0, 1)]
     seqs = [_prompt(7, lengths[0]), _prompt(8, lengths[1])]
     caches = [

@@ -154,6 +154,29 @@ def test_int8_kernels_match_float64_matmul(kind: str, kernel: str) -> None:
                 assert excess <= 1.0, f"{kind} {cols} {rows} {m}: {excess:.2f}x the bound"
 
 
+@pytest.mark.skipif(not quant.vnni_available(), reason="no int8 dot products")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K"])
+def test_vnni_float32_output_is_the_bf16_output_unrounded(kind: str) -> None:
+    """The logits head's form of the int8 kernel stores its float32 sums (and adds a float32
+    bias): rounded to bf16 they are the bf16 kernel's results bit for bit. A quantized head's
+    decode rows take it (`quant_kernels.logits`), more rows the float32 activations' kernel."""
+    torch.manual_seed(1)
+    cols = 256
+    weight = from_gguf_blocks(gguf_tensor(kind, 37, cols, seed=5), kind, cols)
+    bias = torch.randn(37).bfloat16()
+    for m in (1, 2, 5):
+        x = torch.randn(m, cols).bfloat16()
+        wide = quant_kernels.kernel_linear(x, weight, bias.float(), "vnni", out_dtype=torch.float32)
+        narrow = quant_kernels.kernel_linear(x, weight, bias, "vnni")
+        assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), narrow)
+        sums = quant_kernels.kernel_linear(x, weight, None, "vnni", out_dtype=torch.float32)
+        assert torch.equal(quant_kernels.logits(x, weight), sums)
+    many = torch.randn(quant_kernels.MAX_KERNEL_ROWS + 1, cols).bfloat16()
+    assert torch.equal(
+        quant_kernels.logits(many, weight), quant_kernels.quant_linear(many.float(), weight, None)
+    )
+
+
 @pytest.mark.parametrize("kernel", INT8_KERNELS)
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
 def test_int8_kernels_keep_non_finite_rows_non_finite(kind: str, kernel: str) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention import AttentionBackend, AttentionMetadata, paged_attention
+from kvflow.kernels.cpu.linear import packed_rows
 from kvflow.kernels.select import fused_ops
 from kvflow.model import quant_kernels
 from kvflow.model.linear import (  # noqa: F401 (re-exported for the architectures)
@@ -52,10 +53,15 @@ class Embedding(nn.Embedding):
         super().__init__(num_embeddings, embedding_dim)
         attach_loaders(self, default_weight_loader)
         self.quant: quant_kernels.Quantized | None = None  # set by model.quantize
+        # a tied logits head's native packing, read in place of the released weight (set by
+        # prepack_for_cpu)
+        self.native: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quant_kernels.embedding(ids, self.quant, self.weight.dtype)
+        if self.native is not None:
+            return packed_rows(self.native, ids)
         return super().forward(ids)
 
     def quant_part(self, weight: QuantizedWeight, shard_id: int) -> QuantizedWeight:

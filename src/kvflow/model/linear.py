@@ -80,13 +80,12 @@ def logits_linear(
     bf16 logit of about 16 moves in steps of 0.125, so two tokens closer than that come out
     level and the argmax takes the lower id (the headline question's "The" against "L"). So
     bf16 rows take the native kernel's float32 output at every row count, a quantized head
-    takes the float32 activations' kernel (`quant_kernels`: codes widened in registers, or
-    the weight dequantized to float32 for many rows). On CUDA: `linear` in the model's dtype
+    the int8 kernel's float32 sums for a few rows, else the float32 activations' kernel
+    (`quant_kernels.logits`). On CUDA: `linear` in the model's dtype
     (a decode row's one-row kernel stores float32 where it wins), then float32 unless
     `float32` is False (for a reader that widens only the rows it needs)."""
     if quant is not None:  # the head's quantized weight (`model.quantize`); `weight` shapes it
-        cpu = isinstance(quant, QuantizedWeight)
-        out = quant_kernels.apply(x.float() if cpu else x, quant, None)
+        out = quant_kernels.logits(x, quant)
         return out.float() if float32 else out
     ops = one_row_ops(x)
     if ops is not None:
@@ -112,9 +111,11 @@ def prepack_for_cpu(model: nn.Module) -> int:
     never reads the weight again (`linear` takes a packing), so it lets the weight go
     (`_release_weight`): three copies of every weight came to 0.8 GB for a 135M-parameter model,
     and on a CPU without oneDNN's packing the weight beside the native packing doubled a 1B
-    model's bf16 (2.66 GiB loaded, 5.02 packed). An untied logits head is such a Linear and its
-    packings serve `compute_logits`; a head tied to the embedding keeps its weight for the
-    lookups."""
+    model's bf16 (2.66 GiB loaded, 5.02 packed). The logits head's bf16 rows take the native
+    kernel at every row count (`logits_linear`), so the head gets no oneDNN packing and lets
+    its weight go too: an untied head is such a Linear; a head tied to the embedding hands its
+    packing to the embedding, whose lookups read their rows from it (`packed_rows`), so the
+    table is held once (0.49 GiB less for a 1B model's 128k vocabulary)."""
     head = model.logits_weight() if hasattr(model, "logits_weight") else None
     count = 0
     # without a oneDNN packing (no fast bf16 matmul in oneDNN here) the native kernel takes
@@ -125,17 +126,26 @@ def prepack_for_cpu(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, Linear) or module.quant is not None:
             continue
-        module.packed = pack_weight(module.weight)
+        is_head = module.weight is head
         module.native = pack_linear_weight(module.weight)
+        if not (is_head and module.native is not None):
+            module.packed = pack_weight(module.weight)
         count += module.packed is not None
-        if module.weight is head:  # untied: the head's packings are this module's
+        if is_head:  # untied: the head's packings are this module's
             model.head_packed, model.head_native, head = module.packed, module.native, None
-        if module.native is not None and (module.packed is not None or native_for_every_row):
+        if module.native is not None and (
+            module.packed is not None or native_for_every_row or is_head
+        ):
             _release_weight(module)
-    if head is not None:
-        model.head_packed = pack_weight(head)
+    if head is not None:  # tied to the embedding
         model.head_native = pack_linear_weight(head)
-        count += model.head_packed is not None
+        if model.head_native is None:
+            model.head_packed = pack_weight(head)
+            count += model.head_packed is not None
+        else:
+            table = next(m for m in model.modules() if getattr(m, "weight", None) is head)
+            table.native = model.head_native
+            _release_weight(table)
     log_linear_paths(model)
     return count
 
@@ -157,7 +167,7 @@ def log_linear_paths(model: nn.Module) -> None:
         logger.info("linear %d -> %d: %s", in_features, out_features, path)
 
 
-def _release_weight(module: Linear) -> None:
+def _release_weight(module: nn.Module) -> None:
     """Swap `module.weight` for a placeholder of the same shape and dtype that holds one element
     (a zero expanded, never read): `linear` still takes the output size from its shape."""
     weight = module.weight

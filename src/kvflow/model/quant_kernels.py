@@ -65,17 +65,20 @@ def kernel_linear(
     bias: torch.Tensor | None,
     kernel: str = "float",
     silu: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) -> [M, N] by a native kernel reading the codes in place:
     "float" (x, bias and the result all bf16 or all float32), "amx", "gemm" or "vnni" (bf16;
-    check `route` first). `silu` ("gemm" only): weight is gate | up, the result silu(gate) * up."""
+    check `route` first). `silu` ("gemm" only): weight is gate | up, the result silu(gate) * up.
+    `out_dtype` float32 ("vnni" only): the sums unrounded, bias float32."""
     parts = (weight.codes, weight.scales)
     if kernel == "float":
         return quant.linear(x, *parts, weight.mins, weight.bits, weight.group, bias)
     if kernel == "gemm":
         return quant.gemm_bf16(x, *parts, weight.mins, weight.bits, weight.group, bias, silu)
     mins = weight.mins if weight.has_mins else None
-    return quant.linear_int8(kernel, x, *parts, mins, weight.bits, weight.group, bias)
+    out_dtype = out_dtype or x.dtype
+    return quant.linear_int8(kernel, x, *parts, mins, weight.bits, weight.group, bias, out_dtype)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -108,6 +111,20 @@ def apply(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None) -> torc
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight, bias)
     return quant_linear(x, weight, bias)
+
+
+def logits(x: torch.Tensor, weight: Quantized) -> torch.Tensor:
+    """Logits of hidden rows x [N, hidden] by a quantized head: float32 on the CPU. bf16 rows
+    that take the int8 kernel ("vnni") keep it, its float32 sums stored unrounded: the head is
+    the largest weight a decode step reads (a 1B model's 128k x 2048 table in Q8_0: 279 MB of
+    830), and the float32 kernel reads it at under half that kernel's bandwidth on AVX2. Other
+    rows take the float32 activations' kernel (codes widened in registers, or the weight
+    dequantized to float32 for many rows); fp8 (CUDA) its own, in x's dtype."""
+    if not isinstance(weight, QuantizedWeight):
+        return fp8_linear(x, weight, None)
+    if route(x.shape[0], weight, x.dtype) == "vnni":
+        return kernel_linear(x, weight, None, "vnni", out_dtype=torch.float32)
+    return quant_linear(x.float(), weight, None)
 
 
 def gated_linear(

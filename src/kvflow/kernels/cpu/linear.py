@@ -25,6 +25,14 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed.contiguous()
 
 
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight `packed` holds (`pack_linear_weight`'s layout), as [*ids.shape,
+    K]: a tied embedding's lookups read the logits head's packing, the one copy kept."""
+    flat = ids.reshape(-1)
+    rows = packed[flat // COLUMN_TILE, :, flat % COLUMN_TILE]  # [n, K / 2, 2]
+    return rows.reshape(*ids.shape, -1)
+
+
 def bf16_linear(
     x: torch.Tensor,
     packed: torch.Tensor,

@@ -6,7 +6,7 @@
  *                        columns (below; returns 0 where the CPU or OS has no AMX)
  *   kvflow_q_linear_vnni the same quantization on int8 dot products, AVX512-VNNI's or (no
  *                        AVX-512) AVX2's: a few rows (kvflow_q_vnni_built says whether it
- *                        was built)
+ *                        was built; kvflow_q_linear_vnni_f32: float32 y, the logits head's)
  *   kvflow_q_gemm_amx    the same on AMX-BF16 tiles, the weight dequantized to bf16 32 rows at
  *                        a time inside the kernel (batches); optionally silu(gate) * up
  *   kvflow_q_dequant     w[N, K] -> bf16 (long prompts: the bf16 matmul runs on it)
@@ -351,9 +351,9 @@ void kvflow_q_dequant(const uint8_t *codes, const void *scales, const void *mins
 
 /* The int8 kernels' entry point where the build lacks their instructions: it refuses (0), and the
  * callers keep the float32 kernel (quant.py asks first, so this is the guard, not the route). */
-#define REFUSING_INT8_KERNEL(name)                                                             \
+#define REFUSING_INT8_KERNEL(name, out_t)                                                      \
     int name(const uint16_t *x, const uint8_t *codes, const void *scales, const void *mins,    \
-             int half, int bits, int group, const uint16_t *bias, uint16_t *y, int M, int N,    \
+             int half, int bits, int group, const out_t *bias, out_t *y, int M, int N,          \
              int K) {                                                                          \
         (void)x, (void)codes, (void)scales, (void)mins, (void)half, (void)bits, (void)group;   \
         (void)bias, (void)y, (void)M, (void)N, (void)K;                                        \
@@ -760,12 +760,12 @@ static void vnni_layout(int bits, int K, long *stride, long *lanes) {
               mins ? scales_from(mins, n * groups, half) : NULL, half, group, bits, K, &X, m0, \
               NR, MB, out)
 
-/* y[M, N] (bf16) = x[M, K] (bf16) @ w^T + bias (bf16 or NULL); mins NULL when every min is
- * zero. Needs K a multiple of 32 and groups `vnni_supports` takes; returns 0 (nothing written)
- * when it cannot run. */
-int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *scales,
-                         const void *mins, int half, int bits, int group, const uint16_t *bias,
-                         uint16_t *y, int M, int N, int K) {
+/* y[M, N] = x[M, K] (bf16) @ w^T + bias (NULL or y's dtype), y bf16, or float32 where `f32` (the
+ * sums as they are: the logits head's); mins NULL when every min is zero. Needs K a multiple of
+ * 32 and groups `vnni_supports` takes; returns 0 (nothing written) when it cannot run. */
+static int q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *scales,
+                         const void *mins, int half, int bits, int group, const void *bias,
+                         void *y, int f32, int M, int N, int K) {
     if (K % 32 || K % group || !vnni_supports(bits, group)) return 0;
     long stride, lanes, groups = K / group;
     vnni_layout(bits, K, &stride, &lanes);
@@ -806,9 +806,14 @@ int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *sc
                     default: VNNI_TILE(1, 4); break;
                 }
                 for (int r = 0; r < r_n; r++) {
-                    float b = bias == NULL ? 0.0f : bf16_to_float(bias[n + r]);
-                    for (int m = 0; m < mb; m++)
-                        y[(long)(m0 + m) * N + n + r] = float_to_bf16(out[r * mb + m] + b);
+                    float b = bias == NULL ? 0.0f
+                              : f32        ? ((const float *)bias)[n + r]
+                                           : bf16_to_float(((const uint16_t *)bias)[n + r]);
+                    for (int m = 0; m < mb; m++) {
+                        long at = (long)(m0 + m) * N + n + r;
+                        if (f32) ((float *)y)[at] = out[r * mb + m] + b;
+                        else ((uint16_t *)y)[at] = float_to_bf16(out[r * mb + m] + b);
+                    }
                 }
             }
         }
@@ -819,10 +824,24 @@ int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *sc
     return 1;
 }
 
+int kvflow_q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *scales,
+                         const void *mins, int half, int bits, int group, const uint16_t *bias,
+                         uint16_t *y, int M, int N, int K) {
+    return q_linear_vnni(x, codes, scales, mins, half, bits, group, bias, y, 0, M, N, K);
+}
+
+/* The same into float32 y (bias float32 or NULL). */
+int kvflow_q_linear_vnni_f32(const uint16_t *x, const uint8_t *codes, const void *scales,
+                             const void *mins, int half, int bits, int group, const float *bias,
+                             float *y, int M, int N, int K) {
+    return q_linear_vnni(x, codes, scales, mins, half, bits, group, bias, y, 1, M, N, K);
+}
+
 int kvflow_q_vnni_built(void) { return 1; }
 #else
 int kvflow_q_vnni_built(void) { return 0; }
-REFUSING_INT8_KERNEL(kvflow_q_linear_vnni)
+REFUSING_INT8_KERNEL(kvflow_q_linear_vnni, uint16_t)
+REFUSING_INT8_KERNEL(kvflow_q_linear_vnni_f32, float)
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && \
@@ -1265,7 +1284,7 @@ int kvflow_q_gemm_amx(const uint16_t *x, const uint8_t *codes, const void *scale
 }
 #else
 int kvflow_q_amx_init(void) { return 0; }
-REFUSING_INT8_KERNEL(kvflow_q_linear_amx)
+REFUSING_INT8_KERNEL(kvflow_q_linear_amx, uint16_t)
 int kvflow_q_gemm_amx(const uint16_t *x, const uint8_t *codes, const void *scales,
                       const void *mins, int half, int bits, int group, const uint16_t *bias,
                       uint16_t *y, int M, int N, int K, int silu) {
