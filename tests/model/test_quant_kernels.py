@@ -171,9 +171,9 @@ def test_vnni_float32_output_is_the_bf16_output_unrounded(kind: str) -> None:
         assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), narrow)
         sums = quant_kernels.kernel_linear(x, weight, None, "vnni", out_dtype=torch.float32)
         assert torch.equal(quant_kernels.logits(x, weight), sums)
-    many = torch.randn(quant_kernels.MAX_KERNEL_ROWS + 1, cols).bfloat16()
+    wide_rows = torch.randn(3, cols)  # a float32 model's: never the int8 kernel
     assert torch.equal(
-        quant_kernels.logits(many, weight), quant_kernels.quant_linear(many.float(), weight, None)
+        quant_kernels.logits(wide_rows, weight), quant_kernels.quant_linear(wide_rows, weight, None)
     )
 
 
@@ -192,7 +192,7 @@ def test_int8_kernels_keep_non_finite_rows_non_finite(kind: str, kernel: str) ->
 
 @needs_native
 def test_routing_by_rows() -> None:
-    """bf16 rows take: VNNI up to its limit (by code bits beside AMX, else MAX_KERNEL_ROWS),
+    """bf16 rows take: VNNI up to its limit (by code bits beside AMX, else VNNI_ALONE_ROWS),
     then AMX-INT8 up to AMX_ROWS[bits] and AMX-BF16 ("gemm") up to MAX_GEMM_ROWS, the float32
     kernel where neither runs (up to its limit), and beyond every limit the dequantized weight's
     matmul (in float32 where torch's bf16 one is slower). Each route gives that kernel's exact
@@ -204,7 +204,9 @@ def test_routing_by_rows() -> None:
     MAX_KERNEL_ROWS = quant_kernels.MAX_KERNEL_ROWS
 
     def expect(bits: int, rows: int) -> str:
-        if vnni and rows <= (quant_kernels.VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
+        if vnni and rows <= (
+            quant_kernels.VNNI_ROWS[bits] if amx else quant_kernels.VNNI_ALONE_ROWS
+        ):
             return "vnni"
         if amx and rows <= quant_kernels.AMX_ROWS[bits]:
             return "amx"
@@ -213,6 +215,7 @@ def test_routing_by_rows() -> None:
         return "float" if rows <= MAX_KERNEL_ROWS else "dequant"
 
     cases = [(q4, 1), (q4, 2), (q4, 5), (q8, 1), (q8, 2), (q8, MAX_KERNEL_ROWS + 1), (q4, large)]
+    cases += [(q4, quant_kernels.VNNI_ALONE_ROWS), (q8, quant_kernels.VNNI_ALONE_ROWS + 1)]
     cases += [(q4, quant_kernels.AMX_ROWS[4] + 1), (q8, quant_kernels.AMX_ROWS[8] + 1)]
     for weight, rows in cases:
         route = expect(weight.bits, rows)

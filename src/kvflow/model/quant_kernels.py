@@ -3,7 +3,7 @@ quantized embedding lookup. The CPU kernels themselves are kvflow.kernels.cpu.qu
 
 For bf16 activations (`route`): a few rows (decode) take the int8 dot-product kernel ("vnni":
 AVX512-VNNI's, or AVX2's on a CPU without AVX-512), up to `VNNI_ROWS[bits]` where AMX is beside
-it and up to `MAX_KERNEL_ROWS` where it is not; more rows, up to
+it and up to `VNNI_ALONE_ROWS` (short prompts too) where it is not; more rows, up to
 `AMX_ROWS[bits]`, take the AMX-INT8 kernel (both quantize the activations to int8 per 32
 columns); more, up to `MAX_GEMM_ROWS`, AMX's bf16 tiles on the weight dequantized inside the
 kernel ("gemm", which also makes an MLP's silu(gate) * up in its epilogue: `gated_linear`).
@@ -26,7 +26,10 @@ from kvflow.kernels.cpu import quant
 from kvflow.model.fp8_linear import Fp8Weight, fp8_linear
 from kvflow.model.quant_format import QuantizedWeight
 
-MAX_KERNEL_ROWS = 16  # rows the float32 and VNNI kernels take without AMX
+MAX_KERNEL_ROWS = 16  # rows the float32 kernel takes
+# rows the VNNI kernel takes without AMX: it beats the dequantized weight's float32 matmul up to
+# 256 rows of every block type, 1.4-10x, and loses from 512 (AVX2, benchmarks/RESULTS.md)
+VNNI_ALONE_ROWS = 256
 AMX_ROWS = {4: 16, 8: 64}  # rows the AMX-INT8 kernel takes, by code bits; more: "gemm"
 MAX_GEMM_ROWS = 1024  # rows the AMX-BF16 kernel takes; more: dequantize, then oneDNN's matmul
 VNNI_ROWS = {4: 4, 8: 1}  # rows the VNNI kernel takes beside AMX, by code bits
@@ -40,7 +43,7 @@ def native_available() -> bool:
 def route(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> str:
     """The kernel `rows` activation rows of `dtype` take against `weight`: "vnni", "amx",
     "gemm", "float" or "dequant" (see the module's doc)."""
-    beyond = max(MAX_KERNEL_ROWS, MAX_GEMM_ROWS) + 1  # every count above the limits routes alike
+    beyond = max(VNNI_ALONE_ROWS, MAX_GEMM_ROWS) + 1  # every count above the limits routes alike
     return _route(min(rows, beyond), weight.bits, weight.group, dtype)
 
 
@@ -50,7 +53,7 @@ def _route(rows: int, bits: int, group: int, dtype: torch.dtype) -> str:
         return "dequant"
     amx = dtype == torch.bfloat16 and quant.amx_available() and quant.amx_takes(group)
     if dtype == torch.bfloat16 and quant.vnni_available() and quant.vnni_takes(bits, group):
-        if rows <= (VNNI_ROWS[bits] if amx else MAX_KERNEL_ROWS):
+        if rows <= (VNNI_ROWS[bits] if amx else VNNI_ALONE_ROWS):
             return "vnni"
     if amx and rows <= AMX_ROWS[bits]:
         return "amx"
