@@ -84,6 +84,20 @@ def test_a_kv_pool_larger_than_the_host_is_refused_with_the_sizes():
     assert "quantization:" not in message  # refused before the weights loaded
 
 
+def test_tensor_parallel_ranks_are_counted_together():
+    """Two CPU ranks, each with a KV pool that alone would fit: their pools and their two
+    interpreters together do not, and the start is refused with those sizes before any rank
+    starts."""
+    available, _ = available_bytes()
+    each = (available // 2 // GIB + 1) * GIB
+    done = _serve("--tensor-parallel-size", "2", "--kv-cache-memory", str(each))
+    assert done.returncode == 2, done.stderr[-2000:]
+    message = done.stderr
+    assert f"KV cache {2 * each / GIB:.2f} GiB" in message, message[-2000:]
+    assert "2 ranks' fixed overhead 2.00 GiB" in message and "on fewer ranks" in message
+    assert "tensor parallel:" not in message  # no rank loaded anything
+
+
 def _cgroup_v1(limit: int) -> Path | None:
     parent = Path("/sys/fs/cgroup/memory")
     if not os.access(parent, os.W_OK):

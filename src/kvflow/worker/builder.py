@@ -289,7 +289,7 @@ def _model_and_pool(args, path: Path, hf_config, dtype: torch.dtype, device: str
     if model is None:
         if device == "cpu":
             kv = num_blocks * kv_bytes_per_block(hf_config, args.block_size, dtype)
-            _check_host_memory(path, dtype, kv, quantization)
+            check_host_memory(path, dtype, kv, quantization)
         model, hf_config = load_quantized(path, dtype, device, backend, quantization)
     return model, hf_config, cache, max_model_len
 
@@ -317,10 +317,14 @@ def resident_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def _check_host_memory(path: Path, dtype: torch.dtype, kv_bytes: int, quantization: str) -> None:
+def check_host_memory(
+    path: Path, dtype: torch.dtype, kv_bytes: int, quantization: str, ranks: int = 1
+) -> None:
     """Refuse, before the load, a model whose weights and KV pool the host cannot hold: a
     GGUF's blocks count as stored where `--quantization gguf` serves them so, every other
-    weight at the dtype's size (int8 is made from the loaded floats)."""
+    weight at the dtype's size (int8 is made from the loaded floats). `ranks` above 1: the
+    tensor-parallel ranks on this host, whose shards add up to the weights, `kv_bytes` their
+    pools together, and each an interpreter of its own beside this process's."""
     size = torch.empty((), dtype=dtype).element_size()
     name = str(dtype).removeprefix("torch.")
     gguf = source_gguf(path)
@@ -340,7 +344,11 @@ def _check_host_memory(path: Path, dtype: torch.dtype, kv_bytes: int, quantizati
             hint += (
                 f" Served as stored (--quantization gguf) its weights take {stored / GIB:.2f} GiB."
             )
-    check_fits(f"Serving {path.name} in {name}", {label: weights, "KV cache": kv_bytes}, hint)
+    parts = {label: weights, "KV cache": kv_bytes}
+    if ranks > 1:
+        parts[f"{ranks} ranks' fixed overhead"] = ranks * OVERHEAD
+        hint = hint.replace("serve a smaller model", "serve a smaller model or on fewer ranks")
+    check_fits(f"Serving {path.name} in {name}", parts, hint)
 
 
 def _runner(args, model, hf_config, dtype, device: str, cache, max_model_len: int, eos):

@@ -17,11 +17,19 @@ import torch
 
 from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from kvflow.model.loader import load_config, load_tokenizer, resolve_dtype, resolve_model
+from kvflow.model.parallel_layers import head_partition
 from kvflow.model.quantize import describe, resolve_quantization
 from kvflow.model.tensor_parallel import check_divisible
 from kvflow.tokenizer_files import load_chat_template
-from kvflow.worker.builder import EngineParts, default_max_num_batched_tokens, model_context_len
+from kvflow.worker.builder import (
+    EngineParts,
+    check_host_memory,
+    cpu_kv_cache_memory,
+    default_max_num_batched_tokens,
+    model_context_len,
+)
 from kvflow.worker.faults import FaultPlan
+from kvflow.worker.kv_cache import kv_cache_shape
 from kvflow.worker.tp_worker import RankSpec
 
 logger = logging.getLogger("kvflow.engine")
@@ -84,6 +92,9 @@ def build_tp_parts(args, device: str) -> EngineParts:
     dtype = resolve_dtype(args.dtype, hf_config, device)
     quantization = resolve_quantization(args.quantization, path, device, dtype)
     batched = args.max_num_batched_tokens or default_max_num_batched_tokens(device, args.offline)
+    if device == "cpu":
+        kv = ranks_kv_bytes(args, hf_config, dtype, world)
+        check_host_memory(path, dtype, kv, quantization, ranks=world)
     eos = tokenizer.eos_token_id
     spec = rank_spec(args, path, device, dtype, batched, eos, quantization)
     runner = start_executor(args.distributed_executor_backend, spec)
@@ -103,6 +114,18 @@ def build_tp_parts(args, device: str) -> EngineParts:
     _log_start(args, runner, max_model_len, device, quantization, dtype)
     config = EngineConfig(cache, scheduler)
     return EngineParts(runner, path, tokenizer, hf_config, config, dtype, device, False, world)
+
+
+def ranks_kv_bytes(args, hf_config, dtype: torch.dtype, world: int) -> int:
+    """The KV pools of `world` CPU ranks together, as each sizes its own (`tp_worker`):
+    --num-blocks of its KV heads' blocks, else --kv-cache-memory or the CPU default, each."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if args.num_blocks is None:
+        return world * (args.kv_cache_memory or cpu_kv_cache_memory())
+    layers, _, head_dim = kv_cache_shape(hf_config)
+    held = sum(head_partition(heads, kv_heads, world, r).kv_count for r in range(world))
+    return args.num_blocks * 2 * layers * args.block_size * held * head_dim * dtype.itemsize
 
 
 def _log_start(args, runner, max_model_len: int, device: str, quantization: str, dtype) -> None:
