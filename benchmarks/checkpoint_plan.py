@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,16 +29,32 @@ class Shape:
     rope_theta: float = 500000.0
     rope_factor: float = 32.0  # llama3 scaling; its other fields are Llama 3.1's
     rms_eps: float = 1e-5
+    arch: str = "llama"  # llama.cpp's architecture: "llama", "qwen2" (q/k/v biases), "qwen3"
 
 
+# A few MB for tests: the embedded vocabulary plus 128 reserved tokens (the padding's path,
+# without parsing Llama's 128k token strings); untied, so a test runs the `output` path.
+TINY = Shape("tiny", 64, 2, 4, 2, 16, 128, 49152 + 128, False, 131072)
 SHAPES = {
     "llama-3.2-1b": Shape("llama-3.2-1b", 2048, 16, 32, 8, 64, 8192, 128256, True, 131072),
     "llama-3.1-8b": Shape(
         "llama-3.1-8b", 4096, 32, 32, 8, 128, 14336, 128256, False, 131072, rope_factor=8.0
     ),
-    # A few MB for tests: the embedded vocabulary plus 128 reserved tokens (the padding's path,
-    # without parsing Llama's 128k token strings); untied, so a test runs the `output` path.
-    "tiny": Shape("tiny", 64, 2, 4, 2, 16, 128, 49152 + 128, False, 131072),
+    "tiny": TINY,
+    # the same, as Qwen2 (q/k/v biases) and Qwen3 (q/k norms; its heads of 128, wider than
+    # hidden / heads, as Qwen3-0.6B's) store it: GGUF only
+    **{
+        f"tiny-{arch}": replace(
+            TINY,
+            name=f"tiny-{arch}",
+            context=32768,
+            rope_theta=1e6,
+            rms_eps=1e-6,
+            arch=arch,
+            head_dim=128 if arch == "qwen3" else TINY.head_dim,
+        )
+        for arch in ("qwen2", "qwen3")
+    },
 }
 
 
@@ -47,7 +63,7 @@ class TensorSpec:
     hf: str  # the safetensors name
     gguf: str  # llama.cpp's name
     shape: tuple[int, ...]  # numpy order: (rows, columns)
-    fill: str  # "normal" (weights), "ones" (norms), "rope" (llama3 frequency factors)
+    fill: str  # "normal" (weights and biases), "ones" (norms), "rope" (llama3 frequencies)
     role: str = "layer"  # "embed", "head" or "layer": what a decode step reads of it
 
 
@@ -62,7 +78,8 @@ def plan(shape: Shape) -> list[TensorSpec]:
             "model.embed_tokens.weight", "token_embd.weight", (shape.vocab, h), "normal", "embed"
         )
     ]
-    specs.append(TensorSpec("", "rope_freqs.weight", (shape.head_dim // 2,), "rope"))
+    if shape.arch == "llama":
+        specs.append(TensorSpec("", "rope_freqs.weight", (shape.head_dim // 2,), "rope"))
     for i in range(shape.layers):
         hf, gg = f"model.layers.{i}.", f"blk.{i}."
         specs += [
@@ -70,6 +87,23 @@ def plan(shape: Shape) -> list[TensorSpec]:
             TensorSpec(hf + "self_attn.q_proj.weight", gg + "attn_q.weight", (q, h), "normal"),
             TensorSpec(hf + "self_attn.k_proj.weight", gg + "attn_k.weight", (kv, h), "normal"),
             TensorSpec(hf + "self_attn.v_proj.weight", gg + "attn_v.weight", (kv, h), "normal"),
+        ]
+        if shape.arch == "qwen2":
+            specs += [
+                TensorSpec(hf + f"self_attn.{p}_proj.bias", gg + f"attn_{p}.bias", (n,), "normal")
+                for p, n in (("q", q), ("k", kv), ("v", kv))
+            ]
+        if shape.arch == "qwen3":
+            specs += [
+                TensorSpec(
+                    hf + f"self_attn.{p}_norm.weight",
+                    gg + f"attn_{p}_norm.weight",
+                    (shape.head_dim,),
+                    "ones",
+                )  # fmt: skip
+                for p in ("q", "k")
+            ]
+        specs += [
             TensorSpec(hf + "self_attn.o_proj.weight", gg + "attn_output.weight", (h, q), "normal"),
             TensorSpec(
                 hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", (h,), "ones"
@@ -108,6 +142,9 @@ def row_chunks(spec: TensorSpec, shape: Shape, seed: int, index: int) -> Iterato
         yield llama3_rope_factors(shape)
         return
     rng = np.random.default_rng([seed, index])
+    if len(spec.shape) == 1:  # a bias
+        yield rng.standard_normal(spec.shape, dtype=np.float32) * WEIGHT_STD
+        return
     rows, cols = spec.shape
     step = max(1, CHUNK_ELEMENTS // cols)
     for start in range(0, rows, step):

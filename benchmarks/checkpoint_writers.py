@@ -27,10 +27,10 @@ GGUF_FILE_TYPES = {
 
 
 def gguf_type(spec: TensorSpec, weights: Q, tied: bool) -> Q:
-    """Norms and rope factors stay float32, as llama.cpp keeps them. The head (the `output`
+    """Norms, biases and rope factors stay float32, as llama.cpp keeps them. The head (the `output`
     tensor, or the embedding when tied) is at least Q8_0: llama.cpp's Q4_0 files keep it at
     Q6_K, which the `gguf` package cannot write, and Q8_0 is the nearest type it can."""
-    if spec.fill != "normal":
+    if spec.fill != "normal" or len(spec.shape) == 1:
         return Q.F32
     is_head = spec.role == "head" or (tied and spec.role == "embed")
     if is_head and weights == Q.Q4_0:
@@ -52,7 +52,7 @@ def write_gguf(shape: Shape, fmt: str, out: Path, seed: int) -> dict[str, int]:
     weights, file_type = GGUF_FILE_TYPES[fmt]
     specs = plan(shape)
     types = [gguf_type(s, weights, shape.tied) for s in specs]
-    writer = gguf.GGUFWriter(out, "llama")
+    writer = gguf.GGUFWriter(out, shape.arch)
     _add_metadata(writer, shape, file_type)
     sizes = {}
     for spec, qtype in zip(specs, types, strict=True):
@@ -80,8 +80,8 @@ def write_gguf(shape: Shape, fmt: str, out: Path, seed: int) -> dict[str, int]:
 
 
 def _add_metadata(writer: gguf.GGUFWriter, shape: Shape, file_type: int) -> None:
-    """llama.cpp's llama keys (the llama3 rope scaling is the `rope_freqs` tensor, as its
-    converter writes it) and the padded embedded tokenizer."""
+    """llama.cpp's keys for the shape's architecture (llama's llama3 rope scaling is the
+    `rope_freqs` tensor, as its converter writes it) and the padded embedded tokenizer."""
     writer.add_name(f"kvflow random {shape.name}")
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)

@@ -77,6 +77,8 @@ def make(shape: Shape, fmt: str, out: Path, seed: int, quantize_bin: str | None)
     """Write the checkpoint; its tensor sizes by name, or None when Q4_K_M is skipped."""
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors-bf16":
+        if shape.arch != "llama":
+            raise SystemExit(f"{shape.name}: GGUF only (its safetensors config is Llama's)")
         return write_safetensors(shape, out, seed)
     if fmt == "gguf-q4_k_m":
         if quantize_bin is None:

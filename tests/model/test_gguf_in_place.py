@@ -99,6 +99,30 @@ def test_logits_are_transformers_for_the_same_file(files, kind, tmp_path, monkey
     assert not [p for p in tmp_path.rglob("*") if p.stat().st_size > 4 << 20]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_give_transformers_logits(arch, tmp_path, monkeypatch) -> None:
+    """Qwen2's q/k/v biases and Qwen3's q/k norms and 128-wide heads (wider than hidden /
+    heads; the file's key length, which transformers' config reader leaves out), read in
+    place: llama.cpp keeps their q/k rows in the checkpoint's order (no llama permutation)."""
+    monkeypatch.setenv("KVFLOW_CACHE", str(tmp_path / "cache"))
+    file = tmp_path / f"tiny-{arch}.gguf"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "make_checkpoints.py"), "--shape"]
+    cmd += [f"tiny-{arch}", "--format", "gguf-q8_0", "--out", str(file), "--seed", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    path = resolve_model(str(file))
+    reference = load_transformers_model(path, torch.float32)
+    assert type(reference).__name__ == f"{arch.capitalize()}ForCausalLM"
+    with torch.inference_mode():
+        expected = reference(torch.tensor([IDS])).logits[0]
+    for method in ("none", "gguf"):
+        model, hf_config = load_model(
+            path, torch.float32, attn_backend=cpu_paged_attention, quantization=method
+        )
+        gap = (_logits(model, hf_config) - expected).abs().max().item()
+        assert gap < GGUF_BOUNDS["q8_0"], f"{arch} {method}: max |logit difference| {gap}"
+
+
 PEAK_SCRIPT = """
 import sys, torch
 from kvflow.model.layers import Embedding
@@ -114,6 +138,7 @@ def status(key):
 path = resolve_model(None)
 load_config(path)  # transformers' modules in before the baseline
 base = status("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here: not the cache's write
 model, _ = load_model(path, torch.bfloat16, quantization=sys.argv[1])
 held = sum(p.numel() * p.element_size() for p in model.parameters())
 quantized = [m.quant for m in model.modules() if isinstance(m, Linear | Embedding)]

@@ -22,7 +22,9 @@ from kvflow.paths import cache_root, locked, scratch
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: metadata only, the weights read in place (1: a float32 conversion)
+# 3: head_dim from the file's key length; 2: metadata only, the weights read in place; 1: a
+# float32 conversion
+FORMAT = 3
 _SOURCE = "kvflow-source.json"  # which GGUF (path, size and mtime) a directory is made from
 # GGUF general.file_type -> dtype of the original weights (quantized files: assume bfloat16).
 _GGUF_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -104,8 +106,9 @@ def _prune_unreachable(root: Path) -> None:
 def _write_metadata(gguf_path: Path, out: Path) -> None:
     """The config, tokenizer (with its chat template) and generation config from the GGUF's
     metadata, through transformers' GGUF readers: the same config and the same token ids
-    transformers gives for the file, plus the rope factors of a `rope_freqs` tensor, which
-    transformers' reader leaves out. No other tensor is read."""
+    transformers gives for the file, plus what transformers' reader leaves out: the heads'
+    size (the key length) and the rope factors of a `rope_freqs` tensor. No other tensor is
+    read."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -124,6 +127,10 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
     config.architectures = [name]
     gguf = GgufFile(gguf_path)
     config.dtype = _GGUF_FILE_TYPES.get(gguf.metadata.get("general.file_type"), "bfloat16")
+    arch = gguf.metadata.get("general.architecture")
+    key_length = gguf.metadata.get(f"{arch}.attention.key_length")
+    if key_length is not None:  # transformers leaves it out (Qwen3's config then says 128)
+        config.head_dim = int(key_length)
     if "rope_freqs.weight" in gguf.tensors:  # Llama 3's rope scaling: transformers drops it
         config.rope_freq_factors = gguf.dequantize("rope_freqs.weight", torch.float32).tolist()
     config.save_pretrained(out)
