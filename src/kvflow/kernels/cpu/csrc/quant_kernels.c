@@ -254,6 +254,22 @@ static void tile(const uint8_t *row, long row_bytes, int bits, const float *sc, 
     }
 }
 
+/* A tile's sums out[r * mb + m] (weight row n + r, activation row m0 + m) plus bias into y[M, N]:
+ * y and bias bf16 (f32 == 0) or float32 (f32 == 1; bias may be NULL either way). */
+static inline void store_tile_sums(const float *out, int r_n, int mb, long n, int m0,
+                                   const void *bias, void *y, int f32, int N) {
+    for (int r = 0; r < r_n; r++) {
+        float b = bias == NULL ? 0.0f
+                  : f32        ? ((const float *)bias)[n + r]
+                               : bf16_to_float(((const uint16_t *)bias)[n + r]);
+        for (int m = 0; m < mb; m++) {
+            long at = (long)(m0 + m) * N + n + r;
+            if (f32) ((float *)y)[at] = out[r * mb + m] + b;
+            else ((uint16_t *)y)[at] = float_to_bf16(out[r * mb + m] + b);
+        }
+    }
+}
+
 /* y[M, N] (row stride N) = xf[M, K] (float32) @ w^T + bias: y and bias bf16 (f32 == 0) or
  * float32 (f32 == 1; bias may be NULL either way). */
 static void q_linear(const float *xf, const uint8_t *codes, const void *scales, const void *mins,
@@ -280,16 +296,7 @@ static void q_linear(const float *xf, const uint8_t *codes, const void *scales, 
                     long n = n0 + r0;
                     tile(codes + n * row_bytes, row_bytes, bits, sc + r0 * groups,
                          mn + r0 * groups, groups, group, xf + (long)m0 * K, K, K, r_n, mb, out);
-                    for (int r = 0; r < r_n; r++) {
-                        float b = bias == NULL ? 0.0f
-                                  : f32        ? ((const float *)bias)[n + r]
-                                               : bf16_to_float(((const uint16_t *)bias)[n + r]);
-                        for (int m = 0; m < mb; m++) {
-                            long at = (long)(m0 + m) * N + n + r;
-                            if (f32) ((float *)y)[at] = out[r * mb + m] + b;
-                            else ((uint16_t *)y)[at] = float_to_bf16(out[r * mb + m] + b);
-                        }
-                    }
+                    store_tile_sums(out, r_n, mb, n, m0, bias, y, f32, N);
                 }
             }
         }
@@ -805,16 +812,7 @@ static int q_linear_vnni(const uint16_t *x, const uint8_t *codes, const void *sc
                     case 3: VNNI_TILE(1, 3); break;
                     default: VNNI_TILE(1, 4); break;
                 }
-                for (int r = 0; r < r_n; r++) {
-                    float b = bias == NULL ? 0.0f
-                              : f32        ? ((const float *)bias)[n + r]
-                                           : bf16_to_float(((const uint16_t *)bias)[n + r]);
-                    for (int m = 0; m < mb; m++) {
-                        long at = (long)(m0 + m) * N + n + r;
-                        if (f32) ((float *)y)[at] = out[r * mb + m] + b;
-                        else ((uint16_t *)y)[at] = float_to_bf16(out[r * mb + m] + b);
-                    }
-                }
+                store_tile_sums(out, r_n, mb, n, m0, bias, y, f32, N);
             }
         }
     }
