@@ -26,6 +26,7 @@ from kvflow.worker.builder import (
     check_host_memory,
     cpu_kv_cache_memory,
     default_max_num_batched_tokens,
+    kv_bytes_per_block,
     model_context_len,
 )
 from kvflow.worker.faults import FaultPlan
@@ -119,13 +120,14 @@ def build_tp_parts(args, device: str) -> EngineParts:
 def ranks_kv_bytes(args, hf_config, dtype: torch.dtype, world: int) -> int:
     """The KV pools of `world` CPU ranks together, as each sizes its own (`tp_worker`):
     --num-blocks of its KV heads' blocks, else --kv-cache-memory or the CPU default, each."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if args.num_blocks is None:
         return world * (args.kv_cache_memory or cpu_kv_cache_memory())
-    layers, _, head_dim = kv_cache_shape(hf_config)
+    _, kv_heads, _ = kv_cache_shape(hf_config)
+    heads = hf_config.num_attention_heads
+    # the ranks' KV heads together: more than the model's where ranks share a replicated head
     held = sum(head_partition(heads, kv_heads, world, r).kv_count for r in range(world))
-    return args.num_blocks * 2 * layers * args.block_size * held * head_dim * dtype.itemsize
+    whole = kv_bytes_per_block(hf_config, args.block_size, dtype)
+    return args.num_blocks * whole * held // kv_heads
 
 
 def _log_start(args, runner, max_model_len: int, device: str, quantization: str, dtype) -> None:

@@ -156,6 +156,7 @@ def linear_int8(
         run = lib.kvflow_q_linear_amx
     else:
         assert lib.vnni and vnni_takes(bits, group), "check vnni_available() first"
+        assert bias is None or bias.dtype == out_dtype, "the bias is read in the result's dtype"
         f32 = out_dtype == torch.float32
         run = lib.kvflow_q_linear_vnni_f32 if f32 else lib.kvflow_q_linear_vnni
     x = x.contiguous()
