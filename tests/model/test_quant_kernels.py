@@ -155,6 +155,28 @@ def test_int8_kernels_match_float64_matmul(kind: str, kernel: str) -> None:
 
 
 @pytest.mark.skipif(not quant.vnni_available(), reason="no int8 dot products")
+def test_q4_0s_offset_gives_the_mins_sums_without_reading_them() -> None:
+    """Q4_0's mins are -8 x its scales (`offset` 8; Q4_1's and Q4_K's are their own, offset 0):
+    the int8 kernel makes the mins' term from the scales, the sums the mins give bit for bit,
+    and reads no min (mins poisoned with NaN change nothing)."""
+    torch.manual_seed(2)
+    cols = 544
+    assert [
+        from_gguf_blocks(gguf_tensor(k, 3, 256), k, 256).offset for k in ("Q4_0", "Q4_1", "Q4_K")
+    ] == [8, 0, 0]
+    weight = from_gguf_blocks(gguf_tensor("Q4_0", 33, cols, seed=7), "Q4_0", cols)
+    parts = (weight.codes, weight.scales)
+    for m in (1, 2, 5):
+        x = torch.randn(m, cols).bfloat16()
+        for dtype in (torch.bfloat16, torch.float32):
+            by_mins = quant.linear_int8("vnni", x, *parts, weight.mins, 4, 32, None, dtype)
+            poisoned = torch.full_like(weight.mins, float("nan"))
+            by_offset = quant.linear_int8("vnni", x, *parts, poisoned, 4, 32, None, dtype, 8)
+            assert torch.equal(by_offset, by_mins)
+        assert torch.equal(quant_kernels.kernel_linear(x, weight, None, "vnni"), by_mins.bfloat16())
+
+
+@pytest.mark.skipif(not quant.vnni_available(), reason="no int8 dot products")
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K"])
 def test_vnni_float32_output_is_the_bf16_output_unrounded(kind: str) -> None:
     """The logits head's form of the int8 kernel stores its float32 sums (and adds a float32

@@ -50,6 +50,12 @@ class QuantizedWeight:
         """Whether any offset is nonzero (Q8_0, Q6_K and int8 have none)."""
         return bool(self.mins.any())
 
+    @functools.cached_property
+    def offset(self) -> int:
+        """8 where every min is -8 x its scale (GGUF's Q4_0: w = scale x (code - 8)), else 0:
+        the int8 kernel then reads the scales alone."""
+        return 8 if self.bits == 4 and torch.equal(self.mins, self.scales * -8) else 0
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))

@@ -81,7 +81,10 @@ def kernel_linear(
         return quant.gemm_bf16(x, *parts, weight.mins, weight.bits, weight.group, bias, silu)
     mins = weight.mins if weight.has_mins else None
     out_dtype = out_dtype or x.dtype
-    return quant.linear_int8(kernel, x, *parts, mins, weight.bits, weight.group, bias, out_dtype)
+    offset = weight.offset if kernel == "vnni" else 0
+    return quant.linear_int8(
+        kernel, x, *parts, mins, weight.bits, weight.group, bias, out_dtype, offset
+    )
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

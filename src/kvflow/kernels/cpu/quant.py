@@ -55,6 +55,8 @@ def library() -> ctypes.CDLL | None:
     for name in ("kvflow_q_linear", "kvflow_q_linear_f32", *refusing):
         getattr(lib, name).restype = num if name in refusing else None
         getattr(lib, name).argtypes = [ptr] * 4 + [num] * 3 + [ptr] * 2 + [num] * 3
+    for name in ("kvflow_q_linear_vnni", "kvflow_q_linear_vnni_f32"):
+        getattr(lib, name).argtypes += [num]  # offset
     lib.kvflow_q_gemm_amx.restype = num  # 0: refused, nothing written
     lib.kvflow_q_gemm_amx.argtypes = [ptr] * 4 + [num] * 3 + [ptr] * 2 + [num] * 4
     lib.kvflow_q_dequant.restype = None
@@ -142,26 +144,31 @@ def linear_int8(
     group: int,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype = torch.bfloat16,
+    offset: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) -> [M, N], bf16 x, x quantized to int8 with a scale per row and
     32 columns, the products on `kernel`: "amx" (AMX-INT8 tiles) or "vnni" (int8 dot products,
     AVX512-VNNI's or AVX2's, for a few rows); the same quantization, so the same error bound.
     The result and bias bf16, or float32 for "vnni" (the sums unrounded: the logits head's).
-    `mins` None when every min is zero (it skips their pass)."""
+    `mins` None when every min is zero (it skips their pass). `offset` ("vnni" only): nonzero
+    when every min is -offset x its scale (`QuantizedWeight.offset`): the kernel then makes the
+    mins' term from the scales, the same sums, and never reads the mins."""
     lib = library()
     assert lib is not None and x.dtype == torch.bfloat16
     if kernel == "amx":
         assert lib.amx and amx_takes(group), "check amx_available() first"
         assert out_dtype == torch.bfloat16, "the AMX-INT8 kernel stores bf16"
-        run = lib.kvflow_q_linear_amx
+        assert offset == 0, "the AMX-INT8 kernel reads the mins"
+        run, more = lib.kvflow_q_linear_amx, ()
     else:
         assert lib.vnni and vnni_takes(bits, group), "check vnni_available() first"
         assert bias is None or bias.dtype == out_dtype, "the bias is read in the result's dtype"
         f32 = out_dtype == torch.float32
         run = lib.kvflow_q_linear_vnni_f32 if f32 else lib.kvflow_q_linear_vnni
+        more = (offset,)
     x = x.contiguous()
     out = torch.empty(x.shape[0], codes.shape[0], dtype=out_dtype)
-    done = _run(run, x, codes, scales, mins, bits, group, bias, out)
+    done = _run(run, x, codes, scales, mins, bits, group, bias, out, *more)
     if not done:
         raise RuntimeError(f"{kernel} quantized kernel refused K={x.shape[1]}, group={group}")
     return out
