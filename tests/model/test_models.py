@@ -30,6 +30,8 @@ ARCHS = [
     "mistral-window",
     "qwen2-tied",
     "qwen3",
+    "phi3-window",
+    "phi3-longrope",
     "opt",
     "opt-postnorm-proj",
 ]
@@ -192,7 +194,7 @@ def test_loader_rejects_incomplete_checkpoint(checkpoint, tmp_path) -> None:
 
     _, path, _ = checkpoint
     tensors = load_file(str(path / "model.safetensors"))
-    dropped = next(name for name in tensors if "k_proj.weight" in name)
+    dropped = next(name for name in tensors if name.endswith(("k_proj.weight", "qkv_proj.weight")))
     del tensors[dropped]
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())

@@ -21,6 +21,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     OPTConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -66,6 +67,8 @@ def _configs() -> dict:
         "mistral-window": MistralConfig(**LLAMA, sliding_window=6),
         "qwen2-tied": Qwen2Config(**LLAMA, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**LLAMA, head_dim=32, use_sliding_window=True, sliding_window=5),
+        # q | k | v and gate | up stored fused: each rank's shards cut from the fused tensors
+        "phi3-fused": Phi3Config(**LLAMA, bos_token_id=1, eos_token_id=2, pad_token_id=None),
         # --quantization int8: the tied head's vocabulary shard padded, row-parallel scales
         # from whole rows (every input split a multiple of 32 columns, as int8 needs)
         "llama-int8": LlamaConfig(

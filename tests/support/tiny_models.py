@@ -6,6 +6,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     OPTConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -15,6 +16,7 @@ from transformers import (
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 LLAMA_LIKE = dict(COMMON, intermediate_size=96, num_key_value_heads=2, max_position_embeddings=128)
+PHI3_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None)  # its defaults: 32000 and up
 
 
 def tiny_configs() -> dict[str, PretrainedConfig]:
@@ -43,6 +45,16 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
             sliding_window=5,
             max_window_layers=1,
         ),
+        # q | k | v and gate | up stored fused; a window on every layer
+        "phi3-window": Phi3Config(**LLAMA_LIKE, **PHI3_IDS, sliding_window=6),
+        # LongRoPE: the short factors below position 32 (every prompt the shared tests run),
+        # the long ones from it (tests/model/test_longrope.py)
+        "phi3-longrope": Phi3Config(
+            **LLAMA_LIKE,
+            **PHI3_IDS,
+            original_max_position_embeddings=32,
+            rope_parameters=longrope(32),
+        ),
         "opt": OPTConfig(**COMMON, ffn_dim=96, max_position_embeddings=64),
         # opt-350m shape: post-norm, embeddings projected in and out
         "opt-postnorm-proj": OPTConfig(
@@ -53,6 +65,19 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
             word_embed_proj_dim=32,
         ),
     }
+
+
+def longrope(original: int) -> dict:
+    """Phi-3's LongRoPE parameters for LLAMA_LIKE's head_dim (16): distinct short and long
+    factors per frequency, the long ones from position `original`."""
+    half = LLAMA_LIKE["hidden_size"] // LLAMA_LIKE["num_attention_heads"] // 2
+    return dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        short_factor=[1.0 + 0.1 * i for i in range(half)],
+        long_factor=[1.0 + 1.5 * i for i in range(half)],
+        original_max_position_embeddings=original,
+    )
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

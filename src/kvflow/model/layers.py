@@ -111,8 +111,13 @@ class RotaryEmbedding(nn.Module):
 
     Reads `hf_config.rope_parameters` (transformers 5) and uses
     `transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS` for scaled types (llama3, linear, yarn,
-    ...). Frequencies are fixed at load time: "dynamic" and "longrope" use the frequencies
-    transformers uses for sequences within the original context length.
+    ...). "dynamic" uses the frequencies transformers uses for sequences within the original
+    context length. "longrope" (Phi-3) rotates positions below the original context length
+    (`original_max_position_embeddings`) by the short factors and later ones by the long
+    factors: what transformers' cached generation gives a sequence whose prompt fits the
+    original context (its frequencies follow the longest position of each forward), and what
+    vLLM gives a prompt prefilled in chunks. A prompt longer than the original context differs
+    from transformers' single forward over it, which rotates all of it by the long factors.
 
     cos/sin come from a table of every position below max_position_embeddings (the engine's
     max_model_len never exceeds it), built once per dtype on first use, so a step gathers its
@@ -126,11 +131,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, hf_config: object, head_dim: int) -> None:
         super().__init__()
         with default_dtype(torch.float32), torch.device("cpu"):  # also when built on "meta"
-            inv_freq, attention_scaling = _rope_frequencies(hf_config, head_dim)
+            inv_freq, attention_scaling, long = _rope_frequencies(hf_config, head_dim)
         if inv_freq.numel() * 2 != head_dim:
             raise ValueError(f"partial rotary embeddings are not supported (head_dim {head_dim})")
-        inv_freq = inv_freq.float().to(torch.get_default_device())
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        device = torch.get_default_device()
+        self.register_buffer("inv_freq", inv_freq.float().to(device), persistent=False)
+        # longrope: (the position the long factors start at, their frequencies)
+        self.long = None if long is None else (long[0], long[1].float().to(device))
         self.attention_scaling = float(attention_scaling)
         self.max_positions = getattr(hf_config, "max_position_embeddings", None)
         if not isinstance(self.max_positions, int) or self.max_positions < 1:
@@ -171,18 +178,29 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, head_dim] in `dtype`, computed for int64 positions [T] (as
         transformers computes them): what the table holds."""
-        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        inv_freq = self.inv_freq.float()[None, :]
+        if self.long is not None:
+            start, long_freq = self.long
+            inv_freq = torch.where(positions[:, None] >= start, long_freq[None, :], inv_freq)
+        freqs = positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
         return cos, sin
 
 
-def _rope_frequencies(hf_config: object, head_dim: int) -> tuple[torch.Tensor, float]:
+def _rope_frequencies(
+    hf_config: object, head_dim: int
+) -> tuple[torch.Tensor, float, tuple[int, torch.Tensor] | None]:
+    """(inverse frequencies, cos/sin scaling, for "longrope" (the original context length, the
+    long factors' frequencies) else None), as transformers computes them."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise ValueError(f"partial rotary embeddings are not supported (factor {partial})")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -192,12 +210,21 @@ def _rope_frequencies(hf_config: object, head_dim: int) -> tuple[torch.Tensor, f
         factors = getattr(hf_config, "rope_freq_factors", None)
         if factors is not None:
             inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
-        return inv_freq, 1.0
+        return inv_freq, 1.0, None
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(
             f"unsupported rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}"
         )
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = init(hf_config, "cpu")
+    if rope_type != "longrope":
+        return inv_freq, scaling, None
+    # where transformers switches to the long factors (its `longrope_frequency_update`)
+    start = getattr(hf_config, "original_max_position_embeddings", None)
+    start = start or hf_config.max_position_embeddings
+    long_freq, long_scaling = init(hf_config, "cpu", seq_len=start + 1)
+    assert long_scaling == scaling, "transformers scales cos/sin alike for both factors"
+    return inv_freq, scaling, (start, long_freq)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

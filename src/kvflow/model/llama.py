@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2, Qwen3.
+"""The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2, Qwen3, Phi-3 / Phi-4.
 
 They share one decoder (pre-norm RMSNorm, rotary attention with GQA, gated MLP) and differ in
 a few switches, collected per architecture in `Flavor`:
@@ -7,9 +7,12 @@ a few switches, collected per architecture in `Flavor`:
     Mistral  sliding window on every layer when `sliding_window` is set
     Qwen2    bias on q/k/v (not o); sliding window on layers marked "sliding_attention"
     Qwen3    per-head RMSNorm of q and k before rope; explicit head_dim
+    Phi-3    q | k | v and gate | up stored fused; sliding window on every layer when
+             `sliding_window` is set; LongRoPE (`RotaryEmbedding`)
 
 Parameter names follow the transformers checkpoints, except the fused `qkv_proj` and
-`gate_up_proj`, which `packed_modules` maps back to their checkpoint tensors.
+`gate_up_proj`, which `packed_modules` maps back to their checkpoint tensors (a checkpoint that
+stores them fused, Phi-3's, is cut into those tensors as it loads: `fused_in_checkpoint`).
 """
 
 from __future__ import annotations
@@ -267,6 +270,28 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def flavor(cls, cfg: Any) -> Flavor:
         return Flavor(qkv_bias=True)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4 (Phi3ForCausalLM): Llama's decoder; the checkpoint's fused `qkv_proj`
+    and `gate_up_proj` are cut into their shards as they load, so each loads as a Llama's
+    q/k/v and gate/up do (tensor-parallel sharding included)."""
+
+    def __init__(self, config: Any, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__(config, attn_backend)
+        q = config.num_attention_heads * head_dim_of(config)
+        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * (
+            head_dim_of(config)
+        )
+        inner = config.intermediate_size
+        self.fused_in_checkpoint = {  # stored name -> (its shards' names, their rows)
+            "qkv_proj": (self.packed_modules["qkv_proj"], [q, kv, kv]),
+            "gate_up_proj": (self.packed_modules["gate_up_proj"], [inner, inner]),
+        }
+
+    @classmethod
+    def flavor(cls, cfg: Any) -> Flavor:
+        return Flavor()
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

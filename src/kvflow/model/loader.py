@@ -163,16 +163,18 @@ def load_weights(model: nn.Module, path: Path, quantization: str = "none") -> tu
             raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
         return param_name, shard_id
 
+    fused = getattr(model, "fused_in_checkpoint", {})
     with torch.no_grad():
         dtype_of = lambda name: params[target(name)[0]].dtype  # noqa: E731
-        for name, read in _checkpoint_tensors(path, target, dtype_of):
-            where = target(name)
-            if where is None:
-                continue
-            param, loaded = params[where[0]], read()
-            # a sharded (tensor-parallel) loader returns how many elements it copied
-            copied = param.weight_loader(param, loaded, where[1])
-            filled[where[0]] += loaded.numel() if copied is None else copied
+        for stored, read_stored in _checkpoint_tensors(path, target, dtype_of):
+            for name, read in _unfused(stored, read_stored, fused):
+                where = target(name)
+                if where is None:
+                    continue
+                param, loaded = params[where[0]], read()
+                # a sharded (tensor-parallel) loader returns how many elements it copied
+                copied = param.weight_loader(param, loaded, where[1])
+                filled[where[0]] += loaded.numel() if copied is None else copied
     missing = [name for name, param in params.items() if filled[name] != param.numel()]
     if missing:
         raise ValueError(f"Checkpoint in {path} does not fill parameters: {', '.join(missing)}")
@@ -212,6 +214,25 @@ def _checkpoint_tensors(
                 yield done, future.result
         return
     yield from checkpoint_tensors(path)
+
+
+def _unfused(
+    name: str, read: Callable, fused: dict[str, tuple[list[str], list[int]]]
+) -> Iterator[tuple[str, Callable]]:
+    """A checkpoint tensor stored fused (`fused_in_checkpoint`: Phi-3's "...qkv_proj.weight")
+    as its shards ("...q_proj.weight", ...: views of its rows), which then load as any
+    checkpoint's do; another tensor as it is."""
+    parts = name.split(".")
+    for stored, (shards, rows) in fused.items():
+        if stored in parts:
+            at = parts.index(stored)
+            pieces = read().split(rows, dim=0)
+            if len(pieces) != len(shards):
+                raise ValueError(f"Checkpoint tensor {name!r} does not hold {sum(rows)} rows.")
+            for shard, piece in zip(shards, pieces, strict=True):
+                yield ".".join([*parts[:at], shard, *parts[at + 1 :]]), lambda p=piece: p
+            return
+    yield name, read
 
 
 def _unpack(name: str, packed: dict[str, list[str]]) -> tuple[str, int | None]:

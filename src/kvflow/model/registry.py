@@ -20,6 +20,7 @@ _MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "kvflow.model.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "kvflow.model.llama:Qwen3ForCausalLM",
     "OPTForCausalLM": "kvflow.model.opt:OPTForCausalLM",
+    "Phi3ForCausalLM": "kvflow.model.llama:Phi3ForCausalLM",
 }
 
 
