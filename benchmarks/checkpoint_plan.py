@@ -29,7 +29,9 @@ class Shape:
     rope_theta: float = 500000.0
     rope_factor: float = 32.0  # llama3 scaling; its other fields are Llama 3.1's
     rms_eps: float = 1e-5
-    arch: str = "llama"  # llama.cpp's architecture: "llama", "qwen2" (q/k/v biases), "qwen3"
+    # llama.cpp's architecture: "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms), "phi3"
+    # (q | k | v and gate | up stored fused)
+    arch: str = "llama"
 
 
 # A few MB for tests: the embedded vocabulary plus 128 reserved tokens (the padding's path,
@@ -41,8 +43,8 @@ SHAPES = {
         "llama-3.1-8b", 4096, 32, 32, 8, 128, 14336, 128256, False, 131072, rope_factor=8.0
     ),
     "tiny": TINY,
-    # the same, as Qwen2 (q/k/v biases) and Qwen3 (q/k norms; its heads of 128, wider than
-    # hidden / heads, as Qwen3-0.6B's) store it: GGUF only
+    # the same, as Qwen2 (q/k/v biases), Qwen3 (q/k norms; its heads of 128, wider than
+    # hidden / heads, as Qwen3-0.6B's) and Phi-3 (fused projections) store it: GGUF only
     **{
         f"tiny-{arch}": replace(
             TINY,
@@ -55,7 +57,18 @@ SHAPES = {
         )
         for arch in ("qwen2", "qwen3")
     },
+    # Phi-3-mini-128k's form (fused projections): LongRoPE over an original context of PHI3_ORIGINAL, its factors
+    # as llama.cpp stores them (two tensors); the short ones 1 and no attention scaling, so that
+    # transformers' GGUF reader, which drops both, gives the same logits below that context
+    "tiny-phi3": replace(TINY, name="tiny-phi3", rope_theta=1e4, rms_eps=1e-5, arch="phi3"),
 }
+PHI3_ORIGINAL = 4096
+
+
+def phi3_rope_factors(shape: Shape, which: str) -> np.ndarray:
+    """The tiny Phi-3's LongRoPE factors: "short" all 1, "long" 1, 1.5, 2, ... per frequency."""
+    half = np.arange(shape.head_dim // 2, dtype=np.float32)
+    return np.ones_like(half) if which == "short" else 1.0 + 0.5 * half
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,9 @@ class TensorSpec:
     hf: str  # the safetensors name
     gguf: str  # llama.cpp's name
     shape: tuple[int, ...]  # numpy order: (rows, columns)
-    fill: str  # "normal" (weights and biases), "ones" (norms), "rope" (llama3 frequencies)
+    # "normal" (weights and biases), "ones" (norms), "rope" (llama3 frequencies), "rope-long" and
+    # "rope-short" (Phi-3's LongRoPE factors)
+    fill: str
     role: str = "layer"  # "embed", "head" or "layer": what a decode step reads of it
 
 
@@ -73,6 +88,7 @@ def plan(shape: Shape) -> list[TensorSpec]:
     extra (llama.cpp's llama3 scaling); the safetensors carry the scaling in config.json."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     q = shape.heads * shape.head_dim
+    qkv = (("q", q), ("k", kv), ("v", kv))
     specs = [
         TensorSpec(
             "model.embed_tokens.weight", "token_embd.weight", (shape.vocab, h), "normal", "embed"
@@ -80,18 +96,28 @@ def plan(shape: Shape) -> list[TensorSpec]:
     ]
     if shape.arch == "llama":
         specs.append(TensorSpec("", "rope_freqs.weight", (shape.head_dim // 2,), "rope"))
+    if shape.arch == "phi3":
+        specs += [
+            TensorSpec("", f"rope_factors_{w}.weight", (shape.head_dim // 2,), f"rope-{w}")
+            for w in ("long", "short")
+        ]
     for i in range(shape.layers):
         hf, gg = f"model.layers.{i}.", f"blk.{i}."
-        specs += [
-            TensorSpec(hf + "input_layernorm.weight", gg + "attn_norm.weight", (h,), "ones"),
-            TensorSpec(hf + "self_attn.q_proj.weight", gg + "attn_q.weight", (q, h), "normal"),
-            TensorSpec(hf + "self_attn.k_proj.weight", gg + "attn_k.weight", (kv, h), "normal"),
-            TensorSpec(hf + "self_attn.v_proj.weight", gg + "attn_v.weight", (kv, h), "normal"),
-        ]
+
+        def weight(name: str, gguf_name: str, rows_cols: tuple, hf=hf, gg=gg) -> TensorSpec:
+            return TensorSpec(f"{hf}{name}.weight", f"{gg}{gguf_name}.weight", rows_cols, "normal")
+
+        specs.append(
+            TensorSpec(hf + "input_layernorm.weight", gg + "attn_norm.weight", (h,), "ones")
+        )
+        if shape.arch == "phi3":
+            specs.append(weight("self_attn.qkv_proj", "attn_qkv", (q + 2 * kv, h)))
+        else:
+            specs += [weight(f"self_attn.{p}_proj", f"attn_{p}", (n, h)) for p, n in qkv]
         if shape.arch == "qwen2":
             specs += [
                 TensorSpec(hf + f"self_attn.{p}_proj.bias", gg + f"attn_{p}.bias", (n,), "normal")
-                for p, n in (("q", q), ("k", kv), ("v", kv))
+                for p, n in qkv
             ]
         if shape.arch == "qwen3":
             specs += [
@@ -108,15 +134,14 @@ def plan(shape: Shape) -> list[TensorSpec]:
             TensorSpec(
                 hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", (h,), "ones"
             ),
-            TensorSpec(
-                hf + "mlp.gate_proj.weight",
-                gg + "ffn_gate.weight",
-                (shape.intermediate, h),
-                "normal",
-            ),
-            TensorSpec(
-                hf + "mlp.up_proj.weight", gg + "ffn_up.weight", (shape.intermediate, h), "normal"
-            ),
+        ]
+        inner = shape.intermediate
+        if shape.arch == "phi3":  # llama.cpp's ffn_up holds gate | up
+            specs.append(weight("mlp.gate_up_proj", "ffn_up", (2 * inner, h)))
+        else:
+            specs += [weight("mlp.gate_proj", "ffn_gate", (inner, h))]
+            specs += [weight("mlp.up_proj", "ffn_up", (inner, h))]
+        specs += [
             TensorSpec(
                 hf + "mlp.down_proj.weight",
                 gg + "ffn_down.weight",
@@ -140,6 +165,9 @@ def row_chunks(spec: TensorSpec, shape: Shape, seed: int, index: int) -> Iterato
         return
     if spec.fill == "rope":
         yield llama3_rope_factors(shape)
+        return
+    if spec.fill.startswith("rope-"):
+        yield phi3_rope_factors(shape, spec.fill.removeprefix("rope-"))
         return
     rng = np.random.default_rng([seed, index])
     if len(spec.shape) == 1:  # a bias
@@ -184,4 +212,4 @@ def rope_scaling(shape: Shape) -> dict[str, object]:
 
 def parameter_count(specs: list[TensorSpec]) -> int:
     """Model parameters: every weight once (a tied head is the embedding), no rope factors."""
-    return sum(math.prod(s.shape) for s in specs if s.fill != "rope")
+    return sum(math.prod(s.shape) for s in specs if not s.fill.startswith("rope"))

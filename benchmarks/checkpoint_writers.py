@@ -12,7 +12,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from checkpoint_plan import Shape, TensorSpec, plan, rope_scaling, row_chunks
+from checkpoint_plan import PHI3_ORIGINAL, Shape, TensorSpec, plan, rope_scaling, row_chunks
 from checkpoint_vocab import add_tokenizer, save_hf_tokenizer, special_ids
 from gguf import GGMLQuantizationType as Q
 
@@ -97,6 +97,9 @@ def _add_metadata(writer: gguf.GGUFWriter, shape: Shape, file_type: int) -> None
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if shape.arch == "phi3":  # LongRoPE, as llama.cpp's converter writes it for Phi-3-128k
+        writer.add_rope_scaling_orig_ctx_len(PHI3_ORIGINAL)
+        writer.add_rope_scaling_attn_factors(1.0)
     add_tokenizer(writer, shape.vocab)
 
 

@@ -99,11 +99,13 @@ def test_logits_are_transformers_for_the_same_file(files, kind, tmp_path, monkey
     assert not [p for p in tmp_path.rglob("*") if p.stat().st_size > 4 << 20]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_qwen_files_give_transformers_logits(arch, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+def test_qwen_and_phi3_files_give_transformers_logits(arch, tmp_path, monkeypatch) -> None:
     """Qwen2's q/k/v biases and Qwen3's q/k norms and 128-wide heads (wider than hidden /
-    heads; the file's key length, which transformers' config reader leaves out), read in
-    place: llama.cpp keeps their q/k rows in the checkpoint's order (no llama permutation)."""
+    heads; the file's key length, which transformers' config reader leaves out), and Phi-3's
+    fused attn_qkv and ffn_up (gate | up), read in place: llama.cpp keeps their q/k rows in the
+    checkpoint's order (no llama permutation); a fused tensor's blocks are cut into its
+    shards' rows (`gguf`), its floats likewise (`none`)."""
     monkeypatch.setenv("KVFLOW_CACHE", str(tmp_path / "cache"))
     file = tmp_path / f"tiny-{arch}.gguf"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "make_checkpoints.py"), "--shape"]
@@ -121,6 +123,34 @@ def test_qwen_files_give_transformers_logits(arch, tmp_path, monkeypatch) -> Non
         )
         gap = (_logits(model, hf_config) - expected).abs().max().item()
         assert gap < GGUF_BOUNDS["q8_0"], f"{arch} {method}: max |logit difference| {gap}"
+
+
+def test_phi3_longrope_comes_from_the_file(tmp_path, monkeypatch) -> None:
+    """llama.cpp stores Phi-3-128k's LongRoPE as two factor tensors and two keys, which
+    transformers' GGUF reader drops: kvflow's config for the file has them, so positions from
+    the original context on rotate by the file's long factors (the short ones of the tiny shape
+    are 1, its attention factor 1: below that context, transformers' logits above hold)."""
+    from kvflow.model.layers import RotaryEmbedding
+    from kvflow.model.loader import load_config
+
+    monkeypatch.setenv("KVFLOW_CACHE", str(tmp_path / "cache"))
+    file = tmp_path / "tiny-phi3.gguf"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "make_checkpoints.py"), "--shape"]
+    cmd += ["tiny-phi3", "--format", "gguf-q8_0", "--out", str(file), "--seed", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = load_config(resolve_model(str(file)))
+    assert config.rope_parameters["rope_type"] == "longrope"
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary = RotaryEmbedding(config, head_dim)
+    start, long_freq = rotary.long
+    assert start == 4096 and rotary.attention_scaling == 1.0
+    base = 1.0 / config.rope_parameters["rope_theta"] ** (
+        torch.arange(0, head_dim, 2).float() / head_dim
+    )
+    torch.testing.assert_close(rotary.inv_freq, base, rtol=1e-6, atol=0)
+    long_factors = 1.0 + 0.5 * torch.arange(head_dim // 2).float()  # the shape's (make_checkpoints)
+    torch.testing.assert_close(long_freq, base / long_factors, rtol=1e-6, atol=0)
 
 
 PEAK_SCRIPT = """

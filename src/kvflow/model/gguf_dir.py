@@ -22,9 +22,9 @@ from kvflow.paths import cache_root, locked, scratch
 
 logger = logging.getLogger(__name__)
 
-# 3: head_dim from the file's key length; 2: metadata only, the weights read in place; 1: a
-# float32 conversion
-FORMAT = 3
+# 4: Phi-3's LongRoPE from the file; 3: head_dim from the file's key length; 2: metadata only,
+# the weights read in place; 1: a float32 conversion
+FORMAT = 4
 _SOURCE = "kvflow-source.json"  # which GGUF (path, size and mtime) a directory is made from
 # GGUF general.file_type -> dtype of the original weights (quantized files: assume bfloat16).
 _GGUF_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -133,5 +133,29 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
         config.head_dim = int(key_length)
     if "rope_freqs.weight" in gguf.tensors:  # Llama 3's rope scaling: transformers drops it
         config.rope_freq_factors = gguf.dequantize("rope_freqs.weight", torch.float32).tolist()
+    if "rope_factors_long.weight" in gguf.tensors:  # Phi-3's LongRoPE: transformers drops it
+        _longrope(config, gguf, arch)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def _longrope(config, gguf, arch: str) -> None:
+    """Phi-3's LongRoPE from llama.cpp's form of it (the `rope_factors_long` and
+    `rope_factors_short` tensors, the original context length and attention factor keys) into
+    the config's rope parameters, as the safetensors checkpoint's config.json holds them."""
+    import torch
+
+    original = gguf.metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ValueError("GGUF LongRoPE factors without rope.scaling.original_context_length")
+    factors = {
+        f"{which}_factor": gguf.dequantize(f"rope_factors_{which}.weight", torch.float32).tolist()
+        for which in ("long", "short")
+    }
+    params = {**config.rope_parameters, "rope_type": "longrope", **factors}
+    params["original_max_position_embeddings"] = int(original)
+    attention = gguf.metadata.get(f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        params["attention_factor"] = float(attention)
+    config.rope_parameters = params
+    config.original_max_position_embeddings = int(original)

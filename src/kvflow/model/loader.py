@@ -164,9 +164,16 @@ def load_weights(model: nn.Module, path: Path, quantization: str = "none") -> tu
         return param_name, shard_id
 
     fused = getattr(model, "fused_in_checkpoint", {})
+    shards = {shard for names, _ in fused.values() for shard in names}
+
+    def stored_target(name: str) -> tuple[str, int | None] | None:
+        """`target` of a name the checkpoint itself holds: never a shard the model's checkpoints
+        store fused (a GGUF's ffn_up is also Llama's up_proj by name; Phi-3's is gate | up)."""
+        return None if shards.intersection(name.split(".")) else target(name)
+
     with torch.no_grad():
         dtype_of = lambda name: params[target(name)[0]].dtype  # noqa: E731
-        for stored, read_stored in _checkpoint_tensors(path, target, dtype_of):
+        for stored, read_stored in _checkpoint_tensors(path, stored_target, dtype_of):
             for name, read in _unfused(stored, read_stored, fused):
                 where = target(name)
                 if where is None:

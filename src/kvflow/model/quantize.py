@@ -70,6 +70,7 @@ def quantize_model(model: nn.Module, method: str, path: Path) -> tuple[int, int]
         return 0, 0
     stored = GgufWeights(path) if method == "gguf" else None
     packed: dict[str, list[str]] = getattr(model, "packed_modules", {})
+    fused = getattr(model, "fused_in_checkpoint", {})
     head = model.logits_weight() if hasattr(model, "logits_weight") else None
     new = old = 0
     for name, module in model.named_modules():
@@ -77,7 +78,7 @@ def quantize_model(model: nn.Module, method: str, path: Path) -> tuple[int, int]
             continue
         try:
             if stored is not None:
-                weight = _stored_weight(name, module, stored, packed)
+                weight = _stored_weight(name, module, stored, packed, fused)
             elif isinstance(module, Linear) or module.weight is head:  # lookups: nothing to gain
                 weight = _made_now(module, method)
             else:
@@ -105,16 +106,28 @@ def _made_now(module: Linear | Embedding, method: str) -> Quantized:
 
 
 def _stored_weight(
-    name: str, module: Linear | Embedding, stored: GgufWeights, packed: dict[str, list[str]]
+    name: str,
+    module: Linear | Embedding,
+    stored: GgufWeights,
+    packed: dict[str, list[str]],
+    fused: dict[str, tuple[list[str], list[int]]],
 ) -> QuantizedWeight | None:
     """A layer's part of its weight from the file, its shards stacked (None: a float tensor in
-    the file, which the layer keeps in the model's dtype)."""
+    the file, which the layer keeps in the model's dtype). A file that stores the shards fused
+    (Phi-3's attn_qkv: the model's `fused_in_checkpoint`) gives them as row ranges of it."""
     leaf = name.rsplit(".", 1)[-1]
     prefix = name[: len(name) - len(leaf)]
-    shards = packed.get(leaf, [leaf]) if isinstance(module, Linear) else [leaf]
-    parts = [stored.quantized(f"{prefix}{shard}.weight") for shard in shards]
-    if any(p is None for p in parts):
-        return None
+    if isinstance(module, Linear) and leaf in fused:
+        whole = stored.quantized(f"{prefix}{leaf}.weight")
+        if whole is None:
+            return None
+        starts = [sum(fused[leaf][1][:i]) for i in range(len(fused[leaf][1]))]
+        parts = [whole.row_range(s, n) for s, n in zip(starts, fused[leaf][1], strict=True)]
+    else:
+        shards = packed.get(leaf, [leaf]) if isinstance(module, Linear) else [leaf]
+        parts = [stored.quantized(f"{prefix}{shard}.weight") for shard in shards]
+        if any(p is None for p in parts):
+            return None
     parts = [module.quant_part(part, shard_id) for shard_id, part in enumerate(parts)]
     return parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
 
