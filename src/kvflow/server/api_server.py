@@ -49,6 +49,7 @@ from kvflow.server.request_fields import UnknownFields
 from kvflow.server.routes import ServerContext, router
 from kvflow.server.serving_chat import ChatServing
 from kvflow.server.serving_completion import CompletionServing
+from kvflow.server.serving_messages import MessagesServing
 from kvflow.server.tool_choice import ToolConfig
 
 logger = logging.getLogger("kvflow.server")
@@ -173,10 +174,12 @@ def _server_context(
         sampling_defaults=defaults,
         unknown_fields=UnknownFields(getattr(args, "strict_request_fields", False)),
     )
+    chat = ChatServing(async_engine, **common, tool_config=tool_config_from(args))
     return ServerContext(
         engine=async_engine,
         completion=CompletionServing(async_engine, **common),
-        chat=ChatServing(async_engine, **common, tool_config=tool_config_from(args)),
+        chat=chat,
+        messages=MessagesServing(chat),
         metrics=metrics,
         snapshots=SnapshotCache(async_engine, names[0], defaults=defaults),
     )

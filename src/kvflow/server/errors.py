@@ -4,7 +4,12 @@ message that names the numbers."""
 from __future__ import annotations
 
 from kvflow.engine.async_llm import EngineDeadError, EngineUnavailableError
-from kvflow.server.protocol import ErrorInfo, ErrorResponse
+from kvflow.server.protocol import (
+    AnthropicErrorInfo,
+    AnthropicErrorResponse,
+    ErrorInfo,
+    ErrorResponse,
+)
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -16,6 +21,19 @@ ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+# Anthropic's error types by status (its API reference), for /v1/messages
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_STATUS = {503: 529}  # queue full, shutting down, engine dead: "overloaded"
 
 
 class ServingError(Exception):
@@ -37,6 +55,15 @@ class ServingError(Exception):
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=err_type, param=self.param, code=self.status)
         )
+
+    def anthropic(self) -> tuple[AnthropicErrorResponse, int]:
+        """(Anthropic's body for this error, its status: 503 is Anthropic's 529)."""
+        status = ANTHROPIC_STATUS.get(self.status, self.status)
+        default = "api_error" if status >= 500 else "invalid_request_error"
+        kind = ANTHROPIC_ERROR_TYPES.get(status, default)
+        return AnthropicErrorResponse(
+            error=AnthropicErrorInfo(type=kind, message=self.message)
+        ), status
 
 
 def engine_error(exc: Exception) -> ServingError:

@@ -99,7 +99,7 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"Request body too large: the limit is {self.limit} bytes."
-        response = error_json(ServingError(message, 413))
+        response = error_json(ServingError(message, 413), scope["path"])
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
 

@@ -17,7 +17,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvflow.server.protocol import STREAM_CHUNK_MODELS, ErrorResponse
+from kvflow.server.protocol import STREAM_CHUNK_MODELS, AnthropicErrorResponse, ErrorResponse
 from kvflow.server.serving import EventStream, ServingError
 
 logger = logging.getLogger("kvflow.server")
@@ -37,16 +37,38 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def error_json(err: ServingError) -> JSONResponse:
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": AnthropicErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid request (invalid_request_error)"),
+        (401, "Missing or wrong API key (authentication_error)"),
+        (404, "Unknown model (not_found_error)"),
+        (408, "The request ran past its timeout (timeout_error)"),
+        (413, "The request body is over --max-request-body-bytes (request_too_large)"),
+        (500, "The request failed in the engine (api_error)"),
+        (529, "Shutting down, queue full, or engine dead (overloaded_error)"),
+    )
+}
+ANTHROPIC_PATHS = "/v1/messages"  # the routes that answer in Anthropic's error shape
+
+
+def error_json(err: ServingError, path: str = "") -> JSONResponse:
+    """The error as the route at `path` shapes it: Anthropic's under /v1/messages, else
+    vLLM's."""
+    if path.startswith(ANTHROPIC_PATHS):
+        body, status = err.anthropic()
+        return JSONResponse(body.model_dump(), status_code=status, headers=err.headers)
     return JSONResponse(err.body().model_dump(), status_code=err.status, headers=err.headers)
 
 
 class ApiKeyMiddleware:
-    """`--api-key`: every /v1 route needs `Authorization: Bearer <key>` (401 otherwise)."""
+    """`--api-key`: every /v1 route needs `Authorization: Bearer <key>`, or `x-api-key: <key>`
+    as Anthropic's clients send it (401 otherwise)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -54,9 +76,15 @@ class ApiKeyMiddleware:
             and scope["method"] != "OPTIONS"
             and scope["path"].startswith("/v1")
         ):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                await error_json(ServingError("Unauthorized", 401))(scope, receive, send)
+            headers = Headers(scope=scope)
+            given = headers.get("authorization", "").encode()
+            keyed = headers.get("x-api-key", "").encode()
+            if not (
+                secrets.compare_digest(given, self.expected)
+                or secrets.compare_digest(keyed, self.key)
+            ):
+                refusal = error_json(ServingError("Unauthorized", 401), scope["path"])
+                await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -85,21 +113,22 @@ def _is_json(content_type: str) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def serving_error(_: Request, exc: Exception) -> JSONResponse:
+    async def serving_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ServingError)
-        return error_json(exc)
+        return error_json(exc, request.url.path)
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return error_json(ServingError(_validation_message(request, exc), 400))
+        message = _validation_message(request, exc)
+        return error_json(ServingError(message, 400), request.url.path)
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return error_json(ServingError(str(exc.detail), exc.status_code))
+        return error_json(ServingError(str(exc.detail), exc.status_code), request.url.path)
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
-        return error_json(ServingError(f"Internal error: {exc}", 500))
+        return error_json(ServingError(f"Internal error: {exc}", 500), request.url.path)
 
     app.add_exception_handler(ServingError, serving_error)
     app.add_exception_handler(RequestValidationError, validation_error)

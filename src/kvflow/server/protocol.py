@@ -55,6 +55,18 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error shape, which /v1/messages answers in."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo
+
+
 # ---- shared ------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from kvflow.engine.async_llm import AsyncEngine
 from kvflow.server.engine_view import MAX_HISTORY_S, SnapshotCache
 from kvflow.server.http import (
+    ANTHROPIC_ERROR_RESPONSES,
     ERROR_RESPONSES,
     SSEResponse,
     error_json,
@@ -33,6 +34,13 @@ from kvflow.server.protocol import (
 from kvflow.server.serving import EventStream, ServingError
 from kvflow.server.serving_chat import ChatServing
 from kvflow.server.serving_completion import CompletionServing
+from kvflow.server.serving_messages import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+    MessagesServing,
+)
 
 router = APIRouter()
 
@@ -44,6 +52,7 @@ class ServerContext:
     engine: AsyncEngine
     completion: CompletionServing
     chat: ChatServing
+    messages: MessagesServing
     metrics: ServerMetrics
     snapshots: SnapshotCache
 
@@ -141,6 +150,33 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     serving = _ctx(request).chat
     return _respond(await with_disconnect(request, serving.create_chat_completion(body)))
+
+
+_MESSAGES = {
+    200: {
+        "description": "JSON, or with `stream: true` Server-Sent Events in Anthropic's form: "
+        "`event: <type>` and `data: <event>` lines, message_start to message_stop (or an "
+        "error event if the request fails mid-stream)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **ANTHROPIC_ERROR_RESPONSES,
+}
+
+
+@router.post("/v1/messages", response_model=MessageResponse, responses=_MESSAGES)
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    """Anthropic's Messages API (errors in its shape: `http.error_response`)."""
+    serving = _ctx(request).messages
+    return _respond(await with_disconnect(request, serving.create_message(body)))
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    response_model=CountTokensResponse,
+    responses=ANTHROPIC_ERROR_RESPONSES,
+)
+async def count_message_tokens(body: CountTokensRequest, request: Request) -> CountTokensResponse:
+    return _ctx(request).messages.count_tokens(body)
 
 
 _SNAPSHOT = {

@@ -1,0 +1,345 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) over the chat
+endpoint: a request becomes the chat request it means (system prompt, text, tool_use and
+tool_result blocks, tools and tool_choice, stop_sequences), runs as one, and its answer or its
+stream is put in Anthropic's shapes: content blocks, stop reasons, and the stream's events
+(message_start, content_block_start / _delta / _stop, message_delta, message_stop). Errors take
+Anthropic's shape (`anthropic_error`); the routes choose it by path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from kvflow.server.protocol import (
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    RequestModel,
+    StreamOptions,
+    random_id,
+)
+from kvflow.server.serving import EventStream, ServingError
+from kvflow.server.serving_chat import ChatServing
+
+# what a chat's finish reason is as a message's stop reason
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class AnthropicMessage(RequestModel):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(RequestModel):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(RequestModel):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class MessageResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+
+
+def _text(content: Any, where: str) -> str:
+    """The text of a system prompt or a tool result: a string, or its text blocks joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ServingError(f"{where}: expected a string or a list of text blocks.", param=where)
+    parts = []
+    for block in content:
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise ServingError(
+                f"{where}: only text blocks are supported here, got {block!r:.80}.",
+                param=where,
+            )
+        parts.append(str(block.get("text", "")))
+    return "".join(parts)
+
+
+def _chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The request's turns as chat messages: a user turn's tool_result blocks become tool
+    messages (before its text, which answers after them), an assistant turn's tool_use blocks
+    its tool calls."""
+    out: list[dict[str, Any]] = []
+    if req.system is not None:
+        out.append({"role": "system", "content": _text(req.system, "system")})
+    for i, message in enumerate(req.messages):
+        where = f"messages.{i}.content"
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        texts, calls, results = [], [], []
+        for block in message.content:
+            kind = block.get("type")
+            if kind == "text":
+                texts.append(str(block.get("text", "")))
+            elif kind == "tool_use" and message.role == "assistant":
+                arguments = json.dumps(block.get("input") or {})
+                function = {"name": block.get("name"), "arguments": arguments}
+                calls.append({"id": block.get("id"), "type": "function", "function": function})
+            elif kind == "tool_result" and message.role == "user":
+                content = block.get("content") or ""
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.get("tool_use_id"),
+                        "content": _text(content, where),
+                    }
+                )
+            elif kind == "thinking" and message.role == "assistant":
+                continue  # earlier reasoning: the chat template drops it
+            else:
+                raise ServingError(
+                    f"{where}: a {message.role} turn's block of type {kind!r} is not supported.",
+                    param=where,
+                )
+        out += results
+        if texts or calls or not results:
+            turn: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+            if calls:
+                turn["tool_calls"] = calls
+            out.append(turn)
+    return out
+
+
+def _tools(req: MessagesRequest | CountTokensRequest) -> tuple[list | None, Any]:
+    """(the chat request's tools, its tool_choice) for Anthropic's tools and tool_choice."""
+    if not req.tools:
+        if req.tool_choice and req.tool_choice.get("type") not in (None, "auto", "none"):
+            raise ServingError("tool_choice needs tools.", param="tool_choice")
+        return None, "none"
+    tools = []
+    for i, tool in enumerate(req.tools):
+        if "input_schema" not in tool or "name" not in tool:
+            raise ServingError(
+                f"tools.{i}: a tool needs a name and an input_schema (server tools such as "
+                f"{tool.get('type')!r} are not supported).",
+                param=f"tools.{i}",
+            )
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        tools.append({"type": "function", "function": function})
+    choice = req.tool_choice or {"type": "auto"}
+    kind = choice.get("type")
+    if kind == "tool":
+        return tools, {"type": "function", "function": {"name": choice.get("name")}}
+    if kind not in ("auto", "any", "none"):
+        raise ServingError(f"Unknown tool_choice type {kind!r}.", param="tool_choice")
+    return tools, {"auto": "auto", "any": "required", "none": "none"}[kind]
+
+
+def chat_request(req: MessagesRequest | CountTokensRequest, **fields: Any) -> ChatCompletionRequest:
+    tools, tool_choice = _tools(req)
+    return ChatCompletionRequest(
+        model=req.model,
+        messages=_chat_messages(req),
+        tools=tools,
+        tool_choice=tool_choice,
+        **fields,
+    )
+
+
+def _stop_reason(finish: str | None, matched: Any, called: bool) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a chat finish reason, the stop string it matched and
+    whether the reply called a tool (a named tool_choice's chat finishes "stop", as vLLM's)."""
+    if finish == "stop" and isinstance(matched, str):
+        return "stop_sequence", matched
+    if finish == "stop" and called:
+        return "tool_use", None
+    return STOP_REASONS.get(finish or "", None if finish is None else "end_turn"), None
+
+
+class MessagesServing:
+    """`/v1/messages` and its token count, run by the chat endpoint's serving."""
+
+    def __init__(self, chat: ChatServing) -> None:
+        self.chat = chat
+
+    def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
+        self.chat.check_request(req)
+        chat = chat_request(req)
+        return CountTokensResponse(input_tokens=len(self.chat.render_chat(chat).token_ids))
+
+    async def create_message(self, req: MessagesRequest) -> MessageResponse | EventStream:
+        self.chat.check_request(req)
+        fields: dict[str, Any] = dict(max_tokens=req.max_tokens, stream=req.stream)
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(req, name) is not None:
+                fields[name] = getattr(req, name)
+        if req.stop_sequences:
+            fields["stop"] = req.stop_sequences
+        if req.stream:  # every chunk with its usage: message_start carries the prompt's
+            fields["stream_options"] = StreamOptions(
+                include_usage=True, continuous_usage_stats=True
+            )
+        result = await self.chat.create_chat_completion(chat_request(req, **fields))
+        if isinstance(result, EventStream):
+            events = _stream_events(result.body, random_id("msg"), self.chat.model_name)
+            return EventStream(events, result.streams)
+        return _message(result)
+
+
+def _message(chat: ChatCompletionResponse) -> MessageResponse:
+    choice = chat.choices[0]
+    content: list[dict[str, Any]] = []
+    if choice.message.reasoning:
+        content.append({"type": "thinking", "thinking": choice.message.reasoning, "signature": ""})
+    if choice.message.content:
+        content.append({"type": "text", "text": choice.message.content})
+    for call in choice.message.tool_calls:
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.id,
+                "name": call.function.name,
+                "input": _arguments(call.function.arguments),
+            }
+        )
+    called = bool(choice.message.tool_calls)
+    stop_reason, stop_sequence = _stop_reason(choice.finish_reason, choice.stop_reason, called)
+    usage = MessageUsage(
+        input_tokens=chat.usage.prompt_tokens, output_tokens=chat.usage.completion_tokens or 0
+    )
+    return MessageResponse(
+        id=random_id("msg"),
+        model=chat.model,
+        content=content,
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=usage,
+    )
+
+
+def _arguments(text: str) -> Any:
+    """A tool call's arguments as the JSON value they are (an object; {} when the model's text
+    does not parse, as the call is still reported)."""
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def _event(kind: str, **data: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+async def _stream_events(chunks: AsyncIterator[str], message_id: str, model: str):
+    """Anthropic's events for a chat stream's SSE chunks (their usage on every chunk): text,
+    reasoning ("thinking") and each tool call open a content block of their own; an error
+    mid-stream is an `error` event, and the stream ends there."""
+    started = False
+    block: str | None = None  # the open block's kind: "text", "thinking" or "tool_use"
+    index = -1
+    usage = {"input_tokens": 0, "output_tokens": 0}
+    finish, matched, called = None, None, False
+
+    def start() -> str:
+        nonlocal started
+        started = True
+        message = {"id": message_id, "type": "message", "role": "assistant", "model": model}
+        message.update(content=[], stop_reason=None, stop_sequence=None, usage=dict(usage))
+        return _event("message_start", message=message)
+
+    def open_block(kind: str, body: dict[str, Any]) -> list[str]:
+        nonlocal block, index
+        out = [_event("content_block_stop", index=index)] if block is not None else []
+        block, index = kind, index + 1
+        return [*out, _event("content_block_start", index=index, content_block=body)]
+
+    try:
+        async for raw in chunks:
+            data = raw.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                error = chunk["error"]
+                body, _ = ServingError(error["message"], error.get("code", 500)).anthropic()
+                if not started:
+                    yield start()
+                yield _event("error", error=body.error.model_dump())
+                return
+            if chunk.get("usage"):
+                usage["input_tokens"] = chunk["usage"].get("prompt_tokens", 0)
+                usage["output_tokens"] = chunk["usage"].get("completion_tokens") or 0
+            if not chunk.get("choices"):
+                continue
+            choice = chunk["choices"][0]
+            delta = choice.get("delta") or {}
+            out: list[str] = []
+            if not started and (
+                delta.get("content") or delta.get("reasoning") or chunk.get("usage")
+            ):
+                out.append(start())
+            if delta.get("reasoning"):
+                if block != "thinking":
+                    out += open_block("thinking", {"type": "thinking", "thinking": ""})
+                kind = {"type": "thinking_delta", "thinking": delta["reasoning"]}
+                out.append(_event("content_block_delta", index=index, delta=kind))
+            if delta.get("content"):
+                if block != "text":
+                    out += open_block("text", {"type": "text", "text": ""})
+                kind = {"type": "text_delta", "text": delta["content"]}
+                out.append(_event("content_block_delta", index=index, delta=kind))
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                if call.get("id"):
+                    called = True
+                    body = {"type": "tool_use", "id": call["id"], "name": function.get("name")}
+                    out += open_block("tool_use", {**body, "input": {}})
+                if function.get("arguments"):
+                    kind = {"type": "input_json_delta", "partial_json": function["arguments"]}
+                    out.append(_event("content_block_delta", index=index, delta=kind))
+            if choice.get("finish_reason") is not None:
+                finish, matched = choice["finish_reason"], choice.get("stop_reason")
+            for event in out:
+                yield event
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    if not started:
+        yield start()
+    if block is not None:
+        yield _event("content_block_stop", index=index)
+    stop_reason, stop_sequence = _stop_reason(finish, matched, called)
+    delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+    yield _event("message_delta", delta=delta, usage={"output_tokens": usage["output_tokens"]})
+    yield _event("message_stop")
