@@ -11,21 +11,14 @@ import jsonschema
 import pytest
 
 from support.serverproc import start_server
+from support.tool_schemas import WEATHER_PARAMETERS
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sesame"
 WEATHER = {
     "name": "get_weather",
     "description": "The current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 40},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
+    "input_schema": WEATHER_PARAMETERS,
 }
 ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
 # the client (2.x) has no sampling arguments; the server takes Anthropic's temperature, top_p

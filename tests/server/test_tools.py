@@ -11,6 +11,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from support.serverproc import ServerProcess, start_server
+from support.tool_schemas import WEATHER_PARAMETERS
 
 MODEL = "SmolLM2-135M-Instruct"
 SEEDS = range(2)
@@ -19,15 +20,7 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_PARAMETERS,
     },
 }
 ADD = {
