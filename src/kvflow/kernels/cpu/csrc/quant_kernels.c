@@ -584,11 +584,13 @@ static void vnni_layout(int bits, int K, long *stride, long *lanes) {
 /* The same kernel where the CPU has AVX2 but no AVX-512 (most laptops, older servers): the same
  * int8 activations (one scale per row and 32 columns, rounded as above), products of bytes in
  * vpmaddubsw (unsigned by signed, pairs summed in int16) then vpmaddwd by ones (int32 per 4
- * columns), scaled into float32 accumulators. On 2 Zen cores without AVX-512 the instructions
- * per code, not memory, bound a decode step, so each is counted:
+ * columns), scaled into float32 accumulators. On 2 Zen cores without AVX-512 a decode row
+ * waits on both the instructions per code and the memory's streams, so each instruction is
+ * counted and a tile reads one weight row (VNNI_TILE_ROWS):
  *
- *   4-bit codes: two blocks (64 columns) a step. Their 32 bytes unpack in three instructions to
- *     low nibbles (columns 0-15 of block b, then of b + 1) and high ones (16-31 of each), so the
+ *   4-bit codes: two blocks (64 columns) a unit, two units a step (q4_blocks4). A unit's 32
+ *     bytes unpack in three instructions to low nibbles (columns 0-15 of block b, then of
+ *     b + 1) and high ones (16-31 of each), so the
  *     activations are laid out to match: per pair of blocks 64 bytes, block b's first 16 values,
  *     b + 1's first 16, b's last 16, b + 1's last 16 (`vnni_prepare`). The two products add in
  *     int16 (at most 2 x 2 x 15 x 127), one vpmaddwd makes block b's lanes 0-3 and b + 1's
@@ -596,9 +598,9 @@ static void vnni_layout(int bits, int K, long *stride, long *lanes) {
  *   8-bit codes (signed): a block a step, |code| against the activation given the code's sign
  *     (at most 2 x 128 x 127 a pair, no saturation); the activations in column order.
  *
- * Mins (Q4_0, Q4_1, Q4_K, Q5_K) add sum_g min[n, g] * (the float sum of x over group g), 8
- * groups an instruction. Widening the codes to float32 (the kernel above) took twice these
- * instructions a code. */
+ * Mins (Q4_0 (made from its scales: `offset`), Q4_1, Q4_K, Q5_K) add sum_g min[n, g] * (the
+ * float sum of x over group g), 8 groups an instruction. Widening the codes to float32 (the
+ * kernel above) took twice these instructions a code. */
 #define VNNI_MAX_ROWS 4
 /* One weight row a tile: its codes and scales are then two sequential streams a thread, where
  * 4 rows a tile (4 x 2-3 streams) reached 0.75x the bandwidth (RESULTS.md). */
