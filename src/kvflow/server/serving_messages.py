@@ -306,10 +306,6 @@ async def _stream_events(chunks: AsyncIterator[str], message_id: str, model: str
             choice = chunk["choices"][0]
             delta = choice.get("delta") or {}
             out: list[str] = []
-            if not started and (
-                delta.get("content") or delta.get("reasoning") or chunk.get("usage")
-            ):
-                out.append(start())
             if delta.get("reasoning"):
                 if block != "thinking":
                     out += open_block("thinking", {"type": "thinking", "thinking": ""})
@@ -331,6 +327,8 @@ async def _stream_events(chunks: AsyncIterator[str], message_id: str, model: str
                     out.append(_event("content_block_delta", index=index, delta=kind))
             if choice.get("finish_reason") is not None:
                 finish, matched = choice["finish_reason"], choice.get("stop_reason")
+            if out and not started:  # the prompt's usage came with this chunk
+                out.insert(0, start())
             for event in out:
                 yield event
     finally:
