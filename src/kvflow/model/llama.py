@@ -279,10 +279,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: Any, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__(config, attn_backend)
-        q = config.num_attention_heads * head_dim_of(config)
-        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * (
-            head_dim_of(config)
-        )
+        head_dim = head_dim_of(config)  # the whole model's rows (a rank cuts its own after)
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        q, kv = config.num_attention_heads * head_dim, kv_heads * head_dim
         inner = config.intermediate_size
         self.fused_in_checkpoint = {  # stored name -> (its shards' names, their rows)
             "qkv_proj": (self.packed_modules["qkv_proj"], [q, kv, kv]),
