@@ -262,29 +262,87 @@ def _event(kind: str, **data: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
+class _MessageEvents:
+    """A streamed message's state as its chat chunks arrive: whether message_start went out,
+    the open content block (its kind and index), the usage so far, and how the chat ended."""
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self.id, self.model = message_id, model
+        self.started = False
+        self.block: str | None = None  # the open block's kind: "text", "thinking" or "tool_use"
+        self.index = -1
+        self.usage = {"input_tokens": 0, "output_tokens": 0}
+        self.finish: str | None = None
+        self.matched: Any = None  # the stop string the chat matched
+        self.called = False
+
+    def start(self) -> str:
+        self.started = True
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
+        message.update(content=[], stop_reason=None, stop_sequence=None, usage=dict(self.usage))
+        return _event("message_start", message=message)
+
+    def _open(self, kind: str, body: dict[str, Any]) -> list[str]:
+        out = [_event("content_block_stop", index=self.index)] if self.block is not None else []
+        self.block, self.index = kind, self.index + 1
+        return [*out, _event("content_block_start", index=self.index, content_block=body)]
+
+    def _delta(self, kind: str, body: dict[str, Any], delta: dict[str, Any]) -> list[str]:
+        """A delta of a `kind` block, opening one (`body`) unless that kind is open."""
+        out = self._open(kind, body) if self.block != kind else []
+        return [*out, _event("content_block_delta", index=self.index, delta=delta)]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+        """The events of one chat chunk (message_start before the first that has any)."""
+        if chunk.get("usage"):
+            self.usage["input_tokens"] = chunk["usage"].get("prompt_tokens", 0)
+            self.usage["output_tokens"] = chunk["usage"].get("completion_tokens") or 0
+        if not chunk.get("choices"):
+            return []
+        choice = chunk["choices"][0]
+        delta = choice.get("delta") or {}
+        out: list[str] = []
+        if delta.get("reasoning"):
+            part = {"type": "thinking_delta", "thinking": delta["reasoning"]}
+            out += self._delta("thinking", {"type": "thinking", "thinking": ""}, part)
+        if delta.get("content"):
+            part = {"type": "text_delta", "text": delta["content"]}
+            out += self._delta("text", {"type": "text", "text": ""}, part)
+        for call in delta.get("tool_calls") or []:
+            function = call.get("function") or {}
+            if call.get("id"):  # a call's first delta: a block of its own
+                self.called = True
+                body = {"type": "tool_use", "id": call["id"], "name": function.get("name")}
+                out += self._open("tool_use", {**body, "input": {}})
+            if function.get("arguments"):
+                part = {"type": "input_json_delta", "partial_json": function["arguments"]}
+                out.append(_event("content_block_delta", index=self.index, delta=part))
+        if choice.get("finish_reason") is not None:
+            self.finish, self.matched = choice["finish_reason"], choice.get("stop_reason")
+        if out and not self.started:  # the prompt's usage came with this chunk
+            out.insert(0, self.start())
+        return out
+
+    def error(self, error: dict[str, Any]) -> list[str]:
+        body, _ = ServingError(error["message"], error.get("code", 500)).anthropic()
+        opening = [] if self.started else [self.start()]
+        return [*opening, _event("error", error=body.error.model_dump())]
+
+    def end(self) -> list[str]:
+        out = [] if self.started else [self.start()]
+        if self.block is not None:
+            out.append(_event("content_block_stop", index=self.index))
+        stop_reason, stop_sequence = _stop_reason(self.finish, self.matched, self.called)
+        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+        usage = {"output_tokens": self.usage["output_tokens"]}
+        return [*out, _event("message_delta", delta=delta, usage=usage), _event("message_stop")]
+
+
 async def _stream_events(chunks: AsyncIterator[str], message_id: str, model: str):
     """Anthropic's events for a chat stream's SSE chunks (their usage on every chunk): text,
     reasoning ("thinking") and each tool call open a content block of their own; an error
     mid-stream is an `error` event, and the stream ends there."""
-    started = False
-    block: str | None = None  # the open block's kind: "text", "thinking" or "tool_use"
-    index = -1
-    usage = {"input_tokens": 0, "output_tokens": 0}
-    finish, matched, called = None, None, False
-
-    def start() -> str:
-        nonlocal started
-        started = True
-        message = {"id": message_id, "type": "message", "role": "assistant", "model": model}
-        message.update(content=[], stop_reason=None, stop_sequence=None, usage=dict(usage))
-        return _event("message_start", message=message)
-
-    def open_block(kind: str, body: dict[str, Any]) -> list[str]:
-        nonlocal block, index
-        out = [_event("content_block_stop", index=index)] if block is not None else []
-        block, index = kind, index + 1
-        return [*out, _event("content_block_start", index=index, content_block=body)]
-
+    message = _MessageEvents(message_id, model)
     try:
         async for raw in chunks:
             data = raw.removeprefix("data: ").strip()
@@ -292,52 +350,12 @@ async def _stream_events(chunks: AsyncIterator[str], message_id: str, model: str
                 break
             chunk = json.loads(data)
             if "error" in chunk:
-                error = chunk["error"]
-                body, _ = ServingError(error["message"], error.get("code", 500)).anthropic()
-                if not started:
-                    yield start()
-                yield _event("error", error=body.error.model_dump())
+                for event in message.error(chunk["error"]):
+                    yield event
                 return
-            if chunk.get("usage"):
-                usage["input_tokens"] = chunk["usage"].get("prompt_tokens", 0)
-                usage["output_tokens"] = chunk["usage"].get("completion_tokens") or 0
-            if not chunk.get("choices"):
-                continue
-            choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
-            out: list[str] = []
-            if delta.get("reasoning"):
-                if block != "thinking":
-                    out += open_block("thinking", {"type": "thinking", "thinking": ""})
-                kind = {"type": "thinking_delta", "thinking": delta["reasoning"]}
-                out.append(_event("content_block_delta", index=index, delta=kind))
-            if delta.get("content"):
-                if block != "text":
-                    out += open_block("text", {"type": "text", "text": ""})
-                kind = {"type": "text_delta", "text": delta["content"]}
-                out.append(_event("content_block_delta", index=index, delta=kind))
-            for call in delta.get("tool_calls") or []:
-                function = call.get("function") or {}
-                if call.get("id"):
-                    called = True
-                    body = {"type": "tool_use", "id": call["id"], "name": function.get("name")}
-                    out += open_block("tool_use", {**body, "input": {}})
-                if function.get("arguments"):
-                    kind = {"type": "input_json_delta", "partial_json": function["arguments"]}
-                    out.append(_event("content_block_delta", index=index, delta=kind))
-            if choice.get("finish_reason") is not None:
-                finish, matched = choice["finish_reason"], choice.get("stop_reason")
-            if out and not started:  # the prompt's usage came with this chunk
-                out.insert(0, start())
-            for event in out:
+            for event in message.chunk(chunk):
                 yield event
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
-    if not started:
-        yield start()
-    if block is not None:
-        yield _event("content_block_stop", index=index)
-    stop_reason, stop_sequence = _stop_reason(finish, matched, called)
-    delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-    yield _event("message_delta", delta=delta, usage={"output_tokens": usage["output_tokens"]})
-    yield _event("message_stop")
+    for event in message.end():
+        yield event
