@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from support.serverproc import start_server
+from support.serverproc import scrape, start_server, wait_for
 from support.tool_schemas import WEATHER_PARAMETERS
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -161,3 +161,33 @@ def test_errors_take_anthropics_shape_and_classes(client, server) -> None:
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={}, headers={"x-api-key": KEY})
     assert chat.status_code == 400 and chat.json()["error"]["type"] == "BadRequestError"
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+LABELS = {"model_name": MODEL, "engine": "0"}
+
+
+def _idle(server) -> bool:
+    m = scrape(server)
+    busy = m.value("vllm:num_requests_running", **LABELS) + m.value(
+        "vllm:num_requests_waiting", **LABELS
+    )
+    return busy == 0 and m.value("vllm:kv_cache_usage_perc", **LABELS) == 0
+
+
+def test_a_client_leaving_a_stream_frees_its_request(server) -> None:
+    """A streamed message whose client goes away mid-stream is aborted: its KV blocks free
+    within a second, counted as an abort, as a chat stream's are."""
+    wait_for(lambda: _idle(server), timeout=10)
+    aborts = scrape(server).value("vllm:request_success_total", finished_reason="abort")
+    story = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
+    body = {"model": MODEL, "max_tokens": 800, "messages": story, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60
+    ) as resp:
+        events = (line for line in resp.iter_lines() if line.startswith("event: "))
+        assert next(events) == "event: message_start"
+        assert next(events) == "event: content_block_start"
+        assert next(events) == "event: content_block_delta"
+    wait_for(lambda: _idle(server), timeout=1.0)
+    after = scrape(server).value("vllm:request_success_total", finished_reason="abort")
+    assert after == aborts + 1
